@@ -1,0 +1,1 @@
+"""Benchmarks behind ``ascend-fa bench NAME``; each measures its baseline in-run."""

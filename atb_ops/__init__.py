@@ -1,0 +1,54 @@
+"""Op layer: every Ascend op ascend-fa depends on, defined once.
+
+Each op is a ``torch.library`` custom op in the ``ascend_fa`` namespace whose default
+kernel is the PyTorch implementation (the CPU/CUDA emulation), with a fake kernel for
+shape propagation and a plain-Python golden reference ``<op>_ref`` for tests. The NPU
+backend registers ``npu`` kernels for these ops after importing torch_npu.
+
+Nothing here imports from ``ascend_fa.backends`` or the product layer.
+"""
+
+from __future__ import annotations
+
+from .constants import (
+    ACL_FORMAT_FRACTAL_NZ,
+    ACL_FORMAT_ND,
+    FP8_BLOCK,
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    INT8_MIN,
+    NZ_ROW_ALIGN,
+    SCALE_EPS,
+    c0,
+)
+from .layout import nd_to_nz, nd_to_nz_ref, nz_cache_shape, nz_shape, nz_to_nd, nz_to_nd_ref
+from .quant import (
+    dequantize_per_head,
+    dequantize_per_head_ref,
+    per_head_qparams,
+    quantize_per_head,
+    quantize_per_head_ref,
+)
+
+__all__ = [
+    "ACL_FORMAT_FRACTAL_NZ",
+    "ACL_FORMAT_ND",
+    "FP8_BLOCK",
+    "FP8_E4M3_MAX",
+    "INT8_MAX",
+    "INT8_MIN",
+    "NZ_ROW_ALIGN",
+    "SCALE_EPS",
+    "c0",
+    "dequantize_per_head",
+    "dequantize_per_head_ref",
+    "nd_to_nz",
+    "nd_to_nz_ref",
+    "nz_cache_shape",
+    "nz_shape",
+    "nz_to_nd",
+    "nz_to_nd_ref",
+    "per_head_qparams",
+    "quantize_per_head",
+    "quantize_per_head_ref",
+]

@@ -1,0 +1,190 @@
+"""Per-head symmetric INT8 quantization, the numerics every FA path shares.
+
+==================  =============================  ==============================
+function            inputs                         output
+==================  =============================  ==============================
+per_head_qparams    ``lo``, ``hi`` ``[H]``         ``scale`` fp32 ``[H]``,
+                                                   ``offset`` int8 zeros ``[H]``
+quantize_per_head   ``x`` ``[..., H, ...]`` float,  int8 codes, shape of ``x``
+                    ``scale`` ``[H]`` at ``axis``
+dequantize_per_head ``q`` int8, ``scale`` ``[H]``  ``dtype``, shape of ``q``
+==================  =============================  ==============================
+
+Numerics, and why:
+
+* Scales are fp32 even for bf16/fp16 activations: a bf16 scale carries 8 mantissa
+  bits, which alone moves codes by up to half a step.
+* ``scale = max(max(-lo, hi) / 127, 2**-23)``: symmetric about zero (offset 0, which
+  is what the Ascend kernels take), and floored so an all-zero head never divides by
+  zero.
+* ``q = clamp(round_half_even(x / scale), -128, 127)``: division (not multiplication
+  by a reciprocal) and ties-to-even match ``npu_quantize(div_mode=True)``; -128 stays a
+  legal code because the device saturates to it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+from .constants import INT8_MAX, INT8_MIN, SCALE_EPS
+
+__all__ = [
+    "per_head_qparams",
+    "quantize_per_head",
+    "dequantize_per_head",
+    "quantize_per_head_ref",
+    "dequantize_per_head_ref",
+]
+
+
+def _check_finite_1d(t: torch.Tensor, fn: str, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{fn}: {name} must be 1-D [H], got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise ValueError(f"{fn}: {name} must be floating, got {t.dtype}")
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{fn}: {name} must be finite, got {float(t[idx])} at head {idx} "
+            f"(shape {tuple(t.shape)})"
+        )
+
+
+def per_head_qparams(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 parameters from a per-head range.
+
+    ``lo``, ``hi`` ``[H]`` -> ``scale`` fp32 ``[H]`` = ``max(max(-lo, hi) / 127, 2**-23)``
+    with the range first widened to include 0, and ``offset`` int8 zeros ``[H]``.
+    """
+    _check_finite_1d(lo, "per_head_qparams", "lo")
+    _check_finite_1d(hi, "per_head_qparams", "hi")
+    if lo.shape != hi.shape:
+        raise ValueError(
+            f"per_head_qparams: lo and hi must have the same shape, got {tuple(lo.shape)} "
+            f"and {tuple(hi.shape)}"
+        )
+    lo32 = torch.clamp(lo.float(), max=0.0)
+    hi32 = torch.clamp(hi.float(), min=0.0)
+    amax = torch.maximum(-lo32, hi32)
+    scale = torch.clamp(amax / INT8_MAX, min=SCALE_EPS)
+    offset = torch.zeros(scale.shape, dtype=torch.int8, device=scale.device)
+    return scale, offset
+
+
+def _norm_axis(fn: str, t: torch.Tensor, axis: int) -> int:
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise ValueError(f"{fn}: axis must be an int, got {axis!r}")
+    if not -t.dim() <= axis < t.dim():
+        raise ValueError(f"{fn}: axis {axis} out of range for shape {tuple(t.shape)}")
+    return axis % t.dim()
+
+
+def _check_scale(fn: str, t: torch.Tensor, scale: torch.Tensor, axis: int) -> int:
+    axis = _norm_axis(fn, t, axis)
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{fn}: scale must be a tensor, got {type(scale).__name__}")
+    if scale.dim() != 1 or not scale.is_floating_point():
+        raise ValueError(
+            f"{fn}: scale must be 1-D floating [H], got shape {tuple(scale.shape)} "
+            f"dtype {scale.dtype}"
+        )
+    if scale.shape[0] != t.shape[axis]:
+        raise ValueError(
+            f"{fn}: scale has {scale.shape[0]} entries but x.shape[{axis}] = "
+            f"{t.shape[axis]} (x shape {tuple(t.shape)})"
+        )
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{fn}: scale must be finite and > 0, got {float(scale[idx])} at head {idx}"
+        )
+    return axis
+
+
+def _bshape(ndim: int, axis: int, h: int) -> list[int]:
+    shape = [1] * ndim
+    shape[axis] = h
+    return shape
+
+
+@torch.library.custom_op("ascend_fa::quantize_per_head", mutates_args=())
+def _quantize_op(x: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    s = scale.to(device=x.device, dtype=torch.float32).view(_bshape(x.dim(), axis, x.shape[axis]))
+    return torch.clamp(torch.round(x.float() / s), INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+@_quantize_op.register_fake
+def _(x: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.int8)
+
+
+@torch.library.custom_op("ascend_fa::dequantize_per_head", mutates_args=())
+def _dequantize_op(q: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    # fp32 out; the public wrapper casts, so the op schema carries no dtype argument.
+    s = scale.to(device=q.device, dtype=torch.float32).view(_bshape(q.dim(), axis, q.shape[axis]))
+    return q.float() * s
+
+
+@_dequantize_op.register_fake
+def _(q: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
+    return torch.empty_like(q, dtype=torch.float32)
+
+
+def quantize_per_head(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """INT8 codes of ``x``: ``clamp(round_half_even(x.float() / scale), -128, 127)``.
+
+    ``x`` any floating tensor, ``scale`` ``[x.shape[axis]]`` broadcast along ``axis``
+    (the head axis: 1 for ``[B, H, S, D]``, -2 for ``[T, H, D]``).
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"quantize_per_head: x must be a floating tensor, got {got}")
+    axis = _check_scale("quantize_per_head", x, scale, axis)
+    return torch.ops.ascend_fa.quantize_per_head(x, scale, axis)
+
+
+def dequantize_per_head(
+    q: torch.Tensor, scale: torch.Tensor, axis: int = 1, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``(q.float() * scale).to(dtype)`` with ``scale`` ``[q.shape[axis]]`` broadcast
+    along ``axis``. ``q`` must be int8."""
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
+        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"dequantize_per_head: q must be an int8 tensor, got {got}")
+    axis = _check_scale("dequantize_per_head", q, scale, axis)
+    return torch.ops.ascend_fa.dequantize_per_head(q, scale, axis).to(dtype)
+
+
+def quantize_per_head_ref(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """Golden reference: one element at a time. The quotient is formed in fp32 (as
+    the contract says), then rounded half-to-even and saturated by hand."""
+    axis = axis % x.dim()
+    xf = x.float()
+    sf = scale.float()
+    out = torch.empty(x.shape, dtype=torch.int8)
+    for idx in itertools.product(*(range(s) for s in x.shape)):
+        quot = float(xf[idx] / sf[idx[axis]])
+        low = math.floor(quot)
+        frac = quot - low
+        r = low + 1 if frac > 0.5 or (frac == 0.5 and low % 2 == 1) else low
+        out[idx] = min(max(r, INT8_MIN), INT8_MAX)
+    return out
+
+
+def dequantize_per_head_ref(
+    q: torch.Tensor, scale: torch.Tensor, axis: int = 1, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Golden reference of :func:`dequantize_per_head`, one element at a time."""
+    axis = axis % q.dim()
+    sf = scale.float()
+    out = torch.empty(q.shape, dtype=dtype)
+    for idx in itertools.product(*(range(s) for s in q.shape)):
+        out[idx] = (torch.tensor(int(q[idx]), dtype=torch.float32) * sf[idx[axis]]).to(dtype)
+    return out

@@ -1,0 +1,183 @@
+"""The ``Backend`` interface: what a device can do, stated as data.
+
+A backend is a stateless singleton. Its class attributes say what it supports
+(:class:`Capabilities`); :meth:`Backend.unsupported_reasons` turns a hashable
+:class:`AttentionSpec` into the list of reasons it cannot run it (empty list: it can).
+Selection (see :mod:`ascend_fa.backends.registry`) only ever reads these answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..atb_ops import c0, nz_cache_shape
+
+__all__ = [
+    "Availability",
+    "Capabilities",
+    "AttentionSpec",
+    "Backend",
+    "KV_LAYOUTS",
+    "ATTENTION_MODES",
+]
+
+#: Paged KV-cache layouts: ``nz`` ``[NB, Hkv*D//C0, BS, C0]``, ``nd`` ``[NB, BS, Hkv, D]``.
+KV_LAYOUTS = ("nz", "nd")
+
+#: Attention modes: float caches; int8 KV with float query ("antiquant"); FAQuant
+#: (int8 Q, K, V, GQA/MHA); FAKQuant (int8 absorbed query and latent, DeepSeek MLA).
+ATTENTION_MODES = ("float", "int8_kv", "faquant", "fakquant")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and why not. Truthy when available."""
+
+    available: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports. ``None`` in a field means "any"."""
+
+    query_dtypes: frozenset[torch.dtype] = frozenset(
+        {torch.float16, torch.bfloat16, torch.float32}
+    )
+    cache_dtypes: frozenset[torch.dtype] = frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.int8}
+    )
+    layouts: frozenset[str] = frozenset(KV_LAYOUTS)
+    modes: frozenset[str] = frozenset(ATTENTION_MODES)
+    head_dims: frozenset[int] | None = None
+    #: Explicit block sizes, or None for "any multiple of the NZ row alignment".
+    block_sizes: frozenset[int] | None = None
+    supports_offsets: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A hashable description of one attention / cache call, used for selection.
+
+    ``op`` is one of ``"cache_write"``, ``"decode"``, ``"prefill"``, ``"mla_decode"``,
+    ``"mla_prefill"``; ``mode`` one of :data:`ATTENTION_MODES`.
+    """
+
+    op: str = "decode"
+    mode: str = "float"
+    query_dtype: torch.dtype = torch.bfloat16
+    cache_dtype: torch.dtype = torch.bfloat16
+    head_dim: int = 128
+    num_heads: int = 1
+    num_kv_heads: int = 1
+    block_size: int = 128
+    layout: str = "nz"
+    device_type: str = "cpu"
+    has_offsets: bool = False
+    extra: tuple[tuple[str, object], ...] = field(default=())
+
+
+class Backend:
+    """Base class of every backend.
+
+    Subclasses set ``name``, ``device_type``, ``priority`` (higher wins automatic
+    selection) and ``capabilities``, and override :meth:`is_available`. They may
+    extend :meth:`unsupported_reasons` with device-specific constraints.
+    """
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    description: ClassVar[str] = ""
+
+    # -- availability ---------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> Availability:
+        """Whether this backend can run in this process (with the reason if not)."""
+        return Availability(True)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    # -- capability checks --------------------------------------------------------
+    def unsupported_reasons(self, spec: AttentionSpec) -> list[str]:
+        """Every reason this backend cannot run ``spec``; empty when it can."""
+        caps = self.capabilities
+        reasons: list[str] = []
+        if spec.device_type != self.device_type:
+            reasons.append(f"tensors are on {spec.device_type!r}, backend runs on "
+                           f"{self.device_type!r}")
+        if spec.mode not in caps.modes:
+            reasons.append(f"mode {spec.mode!r} not supported (supports {sorted(caps.modes)})")
+        if spec.query_dtype not in caps.query_dtypes:
+            reasons.append(f"query dtype {spec.query_dtype} not supported "
+                           f"(supports {_dtypes(caps.query_dtypes)})")
+        if spec.cache_dtype not in caps.cache_dtypes:
+            reasons.append(f"cache dtype {spec.cache_dtype} not supported "
+                           f"(supports {_dtypes(caps.cache_dtypes)})")
+        if spec.layout not in caps.layouts:
+            reasons.append(f"KV layout {spec.layout!r} not supported "
+                           f"(supports {sorted(caps.layouts)})")
+        if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
+            reasons.append(f"head_dim {spec.head_dim} not supported "
+                           f"(supports {sorted(caps.head_dims)})")
+        if caps.block_sizes is not None and spec.block_size not in caps.block_sizes:
+            reasons.append(f"block_size {spec.block_size} not supported "
+                           f"(supports {sorted(caps.block_sizes)})")
+        row_align = 32 if spec.cache_dtype == torch.int8 else 16
+        if spec.block_size % row_align:
+            reasons.append(f"block_size {spec.block_size} is not a multiple of {row_align} "
+                           f"for a {spec.cache_dtype} cache")
+        if spec.has_offsets and not caps.supports_offsets:
+            reasons.append("non-zero quantization offsets are not supported")
+        if spec.num_kv_heads <= 0 or spec.num_heads % max(spec.num_kv_heads, 1):
+            reasons.append(f"num_heads {spec.num_heads} is not a multiple of "
+                           f"num_kv_heads {spec.num_kv_heads}")
+        if spec.layout == "nz" and (spec.num_kv_heads * spec.head_dim) % c0(spec.cache_dtype):
+            reasons.append(f"Hkv*D = {spec.num_kv_heads * spec.head_dim} is not a multiple "
+                           f"of C0 = {c0(spec.cache_dtype)} for an NZ {spec.cache_dtype} cache")
+        return reasons
+
+    def supports(self, spec: AttentionSpec) -> bool:
+        return not self.unsupported_reasons(spec)
+
+    # -- cache allocation ---------------------------------------------------------
+    def kv_cache_shape(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        layout: str = "nz",
+        mode: str | None = None,
+    ) -> tuple[int, ...]:
+        """Shape of one paged K or V cache on this backend.
+
+        ``nz``: ``[NB, Hkv*D // C0, BS, C0]``; ``nd``: ``[NB, BS, Hkv, D]``. ``mode`` lets
+        a backend choose a layout per attention mode (the NPU FAQuant op takes ND).
+        """
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_cache_shape: layout must be one of {KV_LAYOUTS}, got {layout!r}")
+        if layout == "nz":
+            return nz_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def preferred_layout(self, mode: str) -> str:
+        """KV layout this backend wants for ``mode`` (NZ unless the device says otherwise)."""
+        return "nz"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} name={self.name!r} device={self.device_type!r}>"
+
+
+def _dtypes(dtypes: frozenset[torch.dtype]) -> list[str]:
+    return sorted(str(d).removeprefix("torch.") for d in dtypes)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole check a submission must pass: lint, unit tests (default + slow),
+# benchmark smoke. This is the README's test command after installation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ci/lint.sh
+bash ci/unit.sh
+bash ci/bench_smoke.sh

@@ -21,7 +21,14 @@ from .constants import (
     SCALE_EPS,
     c0,
 )
-from .layout import nd_to_nz, nd_to_nz_ref, nz_cache_shape, nz_shape, nz_to_nd, nz_to_nd_ref
+from .layout import (
+    nd_to_nz,
+    nd_to_nz_ref,
+    nz_cache_shape,
+    nz_shape,
+    nz_to_nd,
+    nz_to_nd_ref,
+)
 from .quant import (
     dequantize_per_head,
     dequantize_per_head_ref,

@@ -35,13 +35,22 @@ __all__ = [
 ]
 
 
-def nz_shape(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tuple[int, ...]:
+def nz_shape(
+    shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+) -> tuple[int, ...]:
     """NZ shape of an ND tensor of ``shape`` ``[..., M, N]`` and ``dtype``."""
     if len(shape) < 2:
-        raise ValueError(f"NZ needs a tensor of rank >= 2 ([..., M, N]), got shape {tuple(shape)}")
+        raise ValueError(
+            f"NZ needs a tensor of rank >= 2 ([..., M, N]), got shape {tuple(shape)}"
+        )
     *batch, m, n = shape
     cols = c0(dtype)
-    return (*batch, math.ceil(n / cols), math.ceil(m / NZ_ROW_ALIGN) * NZ_ROW_ALIGN, cols)
+    return (
+        *batch,
+        math.ceil(n / cols),
+        math.ceil(m / NZ_ROW_ALIGN) * NZ_ROW_ALIGN,
+        cols,
+    )
 
 
 def nz_cache_shape(
@@ -53,22 +62,28 @@ def nz_cache_shape(
     multiple of ``C0`` (``D`` alone need not be) and ``BS`` a multiple of 16
     (32 for 1-byte dtypes, whose fractal is 32 rows deep on the device).
     """
-    for arg, val in (("num_blocks", num_blocks), ("block_size", block_size),
-                     ("num_heads", num_heads), ("head_dim", head_dim)):
+    for arg, val in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_heads", num_heads),
+        ("head_dim", head_dim),
+    ):
         if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-            raise ValueError(f"nz_cache_shape: {arg} must be a positive int, got {val!r}")
+            raise ValueError(
+                f"nz_cache_shape: {arg} must be a positive int, got {val!r}"
+            )
     cols = c0(dtype)
     width = num_heads * head_dim
     if width % cols:
         raise ValueError(
-            f"nz_cache_shape: num_heads*head_dim = {num_heads}*{head_dim} = {width} is not a "
-            f"multiple of C0 = {cols} for {dtype}"
+            f"nz_cache_shape: num_heads*head_dim = {num_heads}*{head_dim} = {width} "
+            f"is not a multiple of C0 = {cols} for {dtype}"
         )
     row_align = 32 if cols == 32 else NZ_ROW_ALIGN
     if block_size % row_align:
         raise ValueError(
-            f"nz_cache_shape: block_size = {block_size} is not a multiple of {row_align} "
-            f"(required for {dtype} NZ caches)"
+            f"nz_cache_shape: block_size = {block_size} is not a multiple of "
+            f"{row_align} (required for {dtype} NZ caches)"
         )
     return (num_blocks, width // cols, block_size, cols)
 
@@ -89,7 +104,10 @@ def _wide_view(t: torch.Tensor, cols: int) -> torch.Tensor | None:
         return None
     if t.dtype.is_complex or t.dtype == torch.bool:
         return None
-    return t.view(torch.int64)
+    try:  # size-1 dims can make a sliced tensor "contiguous" with odd strides
+        return t.view(torch.int64)
+    except RuntimeError:
+        return None
 
 
 def _nd_to_nz_impl(x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +130,7 @@ def _nd_to_nz_impl(x: torch.Tensor) -> torch.Tensor:
             dst.copy_(src.reshape(*batch, m, full, cols).transpose(-3, -2))
     if n1 > full:
         rem = n - full * cols
-        out[..., full, :m, :rem].copy_(x[..., full * cols:])
+        out[..., full, :m, :rem].copy_(x[..., full * cols :])
         out[..., full, :m, rem:].zero_()
     return out
 
@@ -133,7 +151,7 @@ def _nz_to_nd_impl(x: torch.Tensor, m: int, n: int) -> torch.Tensor:
             dst.copy_(src.transpose(-3, -2))
     if n1 > full:
         rem = n - full * cols
-        out[..., full * cols:].copy_(x[..., full, :m, :rem])
+        out[..., full * cols :].copy_(x[..., full, :m, :rem])
     return out
 
 
@@ -146,8 +164,8 @@ def _validate_nz(x: torch.Tensor, m: int, n: int) -> None:
     expected = nz_shape((m, n), x.dtype)
     if tuple(x.shape[-3:]) != expected:
         raise ValueError(
-            f"nz_to_nd: x has NZ tail shape {tuple(x.shape[-3:])}, but an ND [{m}, {n}] "
-            f"{x.dtype} matrix packs to {expected} (C0 = {cols})"
+            f"nz_to_nd: x has NZ tail shape {tuple(x.shape[-3:])}, but an ND "
+            f"[{m}, {n}] {x.dtype} matrix packs to {expected} (C0 = {cols})"
         )
 
 

@@ -56,18 +56,21 @@ def _check_finite_1d(t: torch.Tensor, fn: str, name: str) -> None:
         )
 
 
-def per_head_qparams(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def per_head_qparams(
+    lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric INT8 parameters from a per-head range.
 
-    ``lo``, ``hi`` ``[H]`` -> ``scale`` fp32 ``[H]`` = ``max(max(-lo, hi) / 127, 2**-23)``
-    with the range first widened to include 0, and ``offset`` int8 zeros ``[H]``.
+    ``lo``, ``hi`` ``[H]`` -> ``scale`` fp32 ``[H]`` =
+    ``max(max(-lo, hi) / 127, 2**-23)`` with the range first widened to include 0,
+    and ``offset`` int8 zeros ``[H]``.
     """
     _check_finite_1d(lo, "per_head_qparams", "lo")
     _check_finite_1d(hi, "per_head_qparams", "hi")
     if lo.shape != hi.shape:
         raise ValueError(
-            f"per_head_qparams: lo and hi must have the same shape, got {tuple(lo.shape)} "
-            f"and {tuple(hi.shape)}"
+            f"per_head_qparams: lo and hi must have the same shape, got "
+            f"{tuple(lo.shape)} and {tuple(hi.shape)}"
         )
     lo32 = torch.clamp(lo.float(), max=0.0)
     hi32 = torch.clamp(hi.float(), min=0.0)
@@ -116,7 +119,9 @@ def _bshape(ndim: int, axis: int, h: int) -> list[int]:
 
 @torch.library.custom_op("ascend_fa::quantize_per_head", mutates_args=())
 def _quantize_op(x: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
-    s = scale.to(device=x.device, dtype=torch.float32).view(_bshape(x.dim(), axis, x.shape[axis]))
+    s = scale.to(device=x.device, dtype=torch.float32).view(
+        _bshape(x.dim(), axis, x.shape[axis])
+    )
     return torch.clamp(torch.round(x.float() / s), INT8_MIN, INT8_MAX).to(torch.int8)
 
 
@@ -128,7 +133,9 @@ def _(x: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
 @torch.library.custom_op("ascend_fa::dequantize_per_head", mutates_args=())
 def _dequantize_op(q: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
     # fp32 out; the public wrapper casts, so the op schema carries no dtype argument.
-    s = scale.to(device=q.device, dtype=torch.float32).view(_bshape(q.dim(), axis, q.shape[axis]))
+    s = scale.to(device=q.device, dtype=torch.float32).view(
+        _bshape(q.dim(), axis, q.shape[axis])
+    )
     return q.float() * s
 
 
@@ -137,7 +144,9 @@ def _(q: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.empty_like(q, dtype=torch.float32)
 
 
-def quantize_per_head(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tensor:
+def quantize_per_head(
+    x: torch.Tensor, scale: torch.Tensor, axis: int = 1
+) -> torch.Tensor:
     """INT8 codes of ``x``: ``clamp(round_half_even(x.float() / scale), -128, 127)``.
 
     ``x`` any floating tensor, ``scale`` ``[x.shape[axis]]`` broadcast along ``axis``
@@ -151,7 +160,10 @@ def quantize_per_head(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> to
 
 
 def dequantize_per_head(
-    q: torch.Tensor, scale: torch.Tensor, axis: int = 1, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``(q.float() * scale).to(dtype)`` with ``scale`` ``[q.shape[axis]]`` broadcast
     along ``axis``. ``q`` must be int8."""
@@ -162,7 +174,9 @@ def dequantize_per_head(
     return torch.ops.ascend_fa.dequantize_per_head(q, scale, axis).to(dtype)
 
 
-def quantize_per_head_ref(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tensor:
+def quantize_per_head_ref(
+    x: torch.Tensor, scale: torch.Tensor, axis: int = 1
+) -> torch.Tensor:
     """Golden reference: one element at a time. The quotient is formed in fp32 (as
     the contract says), then rounded half-to-even and saturated by hand."""
     axis = axis % x.dim()
@@ -179,12 +193,17 @@ def quantize_per_head_ref(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -
 
 
 def dequantize_per_head_ref(
-    q: torch.Tensor, scale: torch.Tensor, axis: int = 1, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    axis: int = 1,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Golden reference of :func:`dequantize_per_head`, one element at a time."""
     axis = axis % q.dim()
     sf = scale.float()
     out = torch.empty(q.shape, dtype=dtype)
     for idx in itertools.product(*(range(s) for s in q.shape)):
-        out[idx] = (torch.tensor(int(q[idx]), dtype=torch.float32) * sf[idx[axis]]).to(dtype)
+        out[idx] = (torch.tensor(int(q[idx]), dtype=torch.float32) * sf[idx[axis]]).to(
+            dtype
+        )
     return out

@@ -7,7 +7,14 @@ register through the entry-point group ``ascend_fa.backends``.
 
 from __future__ import annotations
 
-from .base import ATTENTION_MODES, KV_LAYOUTS, AttentionSpec, Availability, Backend, Capabilities
+from .base import (
+    ATTENTION_MODES,
+    KV_LAYOUTS,
+    AttentionSpec,
+    Availability,
+    Backend,
+    Capabilities,
+)
 from .registry import (
     ENTRY_POINT_GROUP,
     ENV_VAR,

@@ -24,7 +24,8 @@ __all__ = [
     "ATTENTION_MODES",
 ]
 
-#: Paged KV-cache layouts: ``nz`` ``[NB, Hkv*D//C0, BS, C0]``, ``nd`` ``[NB, BS, Hkv, D]``.
+#: Paged KV-cache layouts:
+#: ``nz`` ``[NB, Hkv*D//C0, BS, C0]``, ``nd`` ``[NB, BS, Hkv, D]``.
 KV_LAYOUTS = ("nz", "nd")
 
 #: Attention modes: float caches; int8 KV with float query ("antiquant"); FAQuant
@@ -113,37 +114,59 @@ class Backend:
         caps = self.capabilities
         reasons: list[str] = []
         if spec.device_type != self.device_type:
-            reasons.append(f"tensors are on {spec.device_type!r}, backend runs on "
-                           f"{self.device_type!r}")
+            reasons.append(
+                f"tensors are on {spec.device_type!r}, backend runs on "
+                f"{self.device_type!r}"
+            )
         if spec.mode not in caps.modes:
-            reasons.append(f"mode {spec.mode!r} not supported (supports {sorted(caps.modes)})")
+            reasons.append(
+                f"mode {spec.mode!r} not supported (supports {sorted(caps.modes)})"
+            )
         if spec.query_dtype not in caps.query_dtypes:
-            reasons.append(f"query dtype {spec.query_dtype} not supported "
-                           f"(supports {_dtypes(caps.query_dtypes)})")
+            reasons.append(
+                f"query dtype {spec.query_dtype} not supported "
+                f"(supports {_dtypes(caps.query_dtypes)})"
+            )
         if spec.cache_dtype not in caps.cache_dtypes:
-            reasons.append(f"cache dtype {spec.cache_dtype} not supported "
-                           f"(supports {_dtypes(caps.cache_dtypes)})")
+            reasons.append(
+                f"cache dtype {spec.cache_dtype} not supported "
+                f"(supports {_dtypes(caps.cache_dtypes)})"
+            )
         if spec.layout not in caps.layouts:
-            reasons.append(f"KV layout {spec.layout!r} not supported "
-                           f"(supports {sorted(caps.layouts)})")
+            reasons.append(
+                f"KV layout {spec.layout!r} not supported "
+                f"(supports {sorted(caps.layouts)})"
+            )
         if caps.head_dims is not None and spec.head_dim not in caps.head_dims:
-            reasons.append(f"head_dim {spec.head_dim} not supported "
-                           f"(supports {sorted(caps.head_dims)})")
+            reasons.append(
+                f"head_dim {spec.head_dim} not supported "
+                f"(supports {sorted(caps.head_dims)})"
+            )
         if caps.block_sizes is not None and spec.block_size not in caps.block_sizes:
-            reasons.append(f"block_size {spec.block_size} not supported "
-                           f"(supports {sorted(caps.block_sizes)})")
+            reasons.append(
+                f"block_size {spec.block_size} not supported "
+                f"(supports {sorted(caps.block_sizes)})"
+            )
         row_align = 32 if spec.cache_dtype == torch.int8 else 16
         if spec.block_size % row_align:
-            reasons.append(f"block_size {spec.block_size} is not a multiple of {row_align} "
-                           f"for a {spec.cache_dtype} cache")
+            reasons.append(
+                f"block_size {spec.block_size} is not a multiple of {row_align} "
+                f"for a {spec.cache_dtype} cache"
+            )
         if spec.has_offsets and not caps.supports_offsets:
             reasons.append("non-zero quantization offsets are not supported")
         if spec.num_kv_heads <= 0 or spec.num_heads % max(spec.num_kv_heads, 1):
-            reasons.append(f"num_heads {spec.num_heads} is not a multiple of "
-                           f"num_kv_heads {spec.num_kv_heads}")
-        if spec.layout == "nz" and (spec.num_kv_heads * spec.head_dim) % c0(spec.cache_dtype):
-            reasons.append(f"Hkv*D = {spec.num_kv_heads * spec.head_dim} is not a multiple "
-                           f"of C0 = {c0(spec.cache_dtype)} for an NZ {spec.cache_dtype} cache")
+            reasons.append(
+                f"num_heads {spec.num_heads} is not a multiple of "
+                f"num_kv_heads {spec.num_kv_heads}"
+            )
+        if spec.layout == "nz" and (spec.num_kv_heads * spec.head_dim) % c0(
+            spec.cache_dtype
+        ):
+            reasons.append(
+                f"Hkv*D = {spec.num_kv_heads * spec.head_dim} is not a multiple "
+                f"of C0 = {c0(spec.cache_dtype)} for an NZ {spec.cache_dtype} cache"
+            )
         return reasons
 
     def supports(self, spec: AttentionSpec) -> bool:
@@ -162,17 +185,21 @@ class Backend:
     ) -> tuple[int, ...]:
         """Shape of one paged K or V cache on this backend.
 
-        ``nz``: ``[NB, Hkv*D // C0, BS, C0]``; ``nd``: ``[NB, BS, Hkv, D]``. ``mode`` lets
-        a backend choose a layout per attention mode (the NPU FAQuant op takes ND).
+        ``nz``: ``[NB, Hkv*D // C0, BS, C0]``; ``nd``: ``[NB, BS, Hkv, D]``.
+        ``mode`` lets a backend choose a layout per attention mode (the NPU FAQuant
+        op takes ND).
         """
         if layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_cache_shape: layout must be one of {KV_LAYOUTS}, got {layout!r}")
+            raise ValueError(
+                f"kv_cache_shape: layout must be one of {KV_LAYOUTS}, got {layout!r}"
+            )
         if layout == "nz":
             return nz_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
     def preferred_layout(self, mode: str) -> str:
-        """KV layout this backend wants for ``mode`` (NZ unless the device says otherwise)."""
+        """KV layout this backend wants for ``mode`` (NZ unless the device says
+        otherwise)."""
         return "nz"
 
     def __repr__(self) -> str:

@@ -23,6 +23,9 @@ class CUDABackend(ReferenceBackend):
     @classmethod
     def is_available(cls) -> Availability:
         if not torch.cuda.is_available():
-            return Availability(False, "torch.cuda.is_available() is False (no CUDA device "
-                                       "or a CPU-only torch build)")
+            return Availability(
+                False,
+                "torch.cuda.is_available() is False (no CUDA device "
+                "or a CPU-only torch build)",
+            )
         return Availability(True)

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from .base import Availability, AttentionSpec, Backend, Capabilities
+from .base import AttentionSpec, Availability, Backend, Capabilities
 
 __all__ = ["NPUBackend", "import_torch_npu"]
 
@@ -43,7 +43,9 @@ def import_torch_npu():
             raise ImportError(_STATE["error"])
         try:
             module = importlib.import_module("torch_npu")
-        except Exception as exc:  # missing CANN raises OSError/RuntimeError, not only ImportError
+        except (
+            Exception
+        ) as exc:  # missing CANN raises OSError/RuntimeError, not only ImportError
             _STATE["error"] = f"import torch_npu failed: {type(exc).__name__}: {exc}"
             raise ImportError(_STATE["error"]) from exc
         _STATE["module"] = module
@@ -72,8 +74,8 @@ class NPUBackend(Backend):
             if importlib.util.find_spec("torch_npu") is None:
                 return Availability(
                     False,
-                    "torch_npu is not installed (pip install 'ascend-fa[npu]' on a machine "
-                    "with the CANN toolkit)",
+                    "torch_npu is not installed (pip install 'ascend-fa[npu]' on a "
+                    "machine with the CANN toolkit)",
                 )
         try:
             import_torch_npu()
@@ -81,7 +83,9 @@ class NPUBackend(Backend):
             return Availability(False, str(exc))
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
-            return Availability(False, "torch_npu imported but no NPU device is visible")
+            return Availability(
+                False, "torch_npu imported but no NPU device is visible"
+            )
         return Availability(True)
 
     def preferred_layout(self, mode: str) -> str:
@@ -95,20 +99,32 @@ class NPUBackend(Backend):
             if spec.layout != "nz":
                 reasons.append("int8-KV attention on the NPU needs an NZ cache")
             if spec.query_dtype != torch.bfloat16:
-                reasons.append(f"int8-KV NZ attention needs a bf16 query, got {spec.query_dtype}")
+                reasons.append(
+                    f"int8-KV NZ attention needs a bf16 query, got {spec.query_dtype}"
+                )
             if spec.head_dim != 128:
-                reasons.append(f"int8-KV NZ attention needs head_dim 128, got {spec.head_dim}")
+                reasons.append(
+                    f"int8-KV NZ attention needs head_dim 128, got {spec.head_dim}"
+                )
             if spec.block_size not in (128, 512):
-                reasons.append(f"int8-KV NZ attention needs block_size 128 or 512, "
-                               f"got {spec.block_size}")
+                reasons.append(
+                    f"int8-KV NZ attention needs block_size 128 or 512, "
+                    f"got {spec.block_size}"
+                )
         if spec.mode == "faquant" and decode_like and spec.layout != "nd":
-            reasons.append("FAQuant on the NPU (_npu_paged_attention_quant) needs ND int8 "
-                           "caches [NB, BS, Hkv, D]")
+            reasons.append(
+                "FAQuant on the NPU (_npu_paged_attention_quant) needs ND int8 "
+                "caches [NB, BS, Hkv, D]"
+            )
         if spec.mode == "fakquant" or spec.op.startswith("mla"):
             if spec.layout != "nz":
                 reasons.append("MLA attention on the NPU needs NZ caches")
             if spec.block_size != 128:
-                reasons.append(f"MLA NZ attention needs block_size 128, got {spec.block_size}")
+                reasons.append(
+                    f"MLA NZ attention needs block_size 128, got {spec.block_size}"
+                )
         if spec.has_offsets:
-            reasons.append("the NPU kernels take symmetric scales only (offsets must be 0)")
+            reasons.append(
+                "the NPU kernels take symmetric scales only (offsets must be 0)"
+            )
         return reasons

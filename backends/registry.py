@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 
-from .base import Availability, AttentionSpec, Backend
+from .base import AttentionSpec, Availability, Backend
 
 __all__ = [
     "ENV_VAR",
@@ -111,11 +111,15 @@ def _probe(name: str, source: str, target: str | type[Backend]) -> BackendInfo:
     try:
         cls = _load_class(target)
     except Exception as exc:  # a broken plugin is reported, not fatal
-        return BackendInfo(name, source, False, f"cannot load {target!r}: {exc}", -1, None)
+        return BackendInfo(
+            name, source, False, f"cannot load {target!r}: {exc}", -1, None
+        )
     try:
         avail = cls.is_available()
     except Exception as exc:
-        avail = Availability(False, f"availability check raised {type(exc).__name__}: {exc}")
+        avail = Availability(
+            False, f"availability check raised {type(exc).__name__}: {exc}"
+        )
     return BackendInfo(name, source, bool(avail), avail.reason, cls.priority, cls)
 
 
@@ -154,7 +158,8 @@ def get_backend(name: str | None = None) -> Backend:
         origin = "requested" if name is not None else f"set by {ENV_VAR}"
         if info is None:
             raise ValueError(
-                f"unknown backend {chosen!r} ({origin}); known backends:\n{_describe(infos)}"
+                f"unknown backend {chosen!r} ({origin}); known backends:\n"
+                f"{_describe(infos)}"
             )
         if not info.available:
             raise ValueError(
@@ -162,7 +167,9 @@ def get_backend(name: str | None = None) -> Backend:
                 f"all backends:\n{_describe(infos)}"
             )
         return _instance(info)
-    usable = sorted((i for i in infos if i.available), key=lambda i: (-i.priority, i.name))
+    usable = sorted(
+        (i for i in infos if i.available), key=lambda i: (-i.priority, i.name)
+    )
     if not usable:
         raise ValueError(f"no usable backend:\n{_describe(infos)}")
     return _instance(usable[0])
@@ -179,12 +186,18 @@ def backend_for_device(device: str | object) -> Backend:
         backend = get_backend(forced)
         if backend.device_type == device_type:
             return backend
-    infos = [i for i in list_backends() if i.backend_cls is not None
-             and i.backend_cls.device_type == device_type]
-    usable = sorted((i for i in infos if i.available), key=lambda i: (-i.priority, i.name))
+    infos = [
+        i
+        for i in list_backends()
+        if i.backend_cls is not None and i.backend_cls.device_type == device_type
+    ]
+    usable = sorted(
+        (i for i in infos if i.available), key=lambda i: (-i.priority, i.name)
+    )
     if not usable:
         raise ValueError(
-            f"no usable backend for tensors on {device_type!r}:\n{_describe(list_backends())}"
+            f"no usable backend for tensors on {device_type!r}:\n"
+            f"{_describe(list_backends())}"
         )
     return _instance(usable[0])
 

@@ -11,7 +11,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["time_fn", "gbps", "peak_rss_bytes", "print_table", "write_json", "MiB", "GiB"]
+__all__ = [
+    "time_fn",
+    "gbps",
+    "peak_rss_bytes",
+    "print_table",
+    "write_json",
+    "MiB",
+    "GiB",
+]
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -50,7 +58,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> str:
+def print_table(
+    headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
+) -> str:
     """Print (and return) a GitHub-markdown table."""
 
     def fmt(v: Any) -> str:
@@ -59,8 +69,10 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
         return str(v)
 
     cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
+        for i, h in enumerate(headers)
+    ]
     lines = []
     if title:
         lines.append(title)

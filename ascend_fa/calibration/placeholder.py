@@ -37,22 +37,33 @@ class FA3QuantPlaceHolder(nn.Module):
     the head axis the point will see (used to size observers up front).
     """
 
-    def __init__(self, branch: str, num_heads: int, head_dim: int | None = None) -> None:
+    def __init__(
+        self, branch: str, num_heads: int, head_dim: int | None = None
+    ) -> None:
         super().__init__()
         if branch not in FA_BRANCHES:
-            raise ValueError(f"FA3QuantPlaceHolder: branch must be one of {FA_BRANCHES}, "
-                             f"got {branch!r}")
+            raise ValueError(
+                f"FA3QuantPlaceHolder: branch must be one of {FA_BRANCHES}, "
+                f"got {branch!r}"
+            )
         if num_heads <= 0:
-            raise ValueError(f"FA3QuantPlaceHolder: num_heads must be > 0, got {num_heads}")
+            raise ValueError(
+                f"FA3QuantPlaceHolder: num_heads must be > 0, got {num_heads}"
+            )
         self.branch = branch
         self.num_heads = int(num_heads)
         self.head_dim = head_dim
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return x
 
     def extra_repr(self) -> str:
-        return f"branch={self.branch}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+        return (
+            f"branch={self.branch}, num_heads={self.num_heads}, "
+            f"head_dim={self.head_dim}"
+        )
 
 
 class FA3QuantAdapterInterface(abc.ABC):

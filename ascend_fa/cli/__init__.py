@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Attention quantization for Ascend NPUs: calibrate, export, pack, "
         "dispatch.",
     )
-    parser.add_argument("--version", action="version", version=f"ascend-fa {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"ascend-fa {__version__}"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():

@@ -12,7 +12,9 @@ import importlib
 import pkgutil
 
 COMMAND = "bench"
-HELP = "run a benchmark (prints a table with ratios against a baseline from the same run)"
+HELP = (
+    "run a benchmark (prints a table with ratios against a baseline from the same run)"
+)
 
 
 def _bench_modules():
@@ -30,8 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
     for module in _bench_modules():
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
-        p.add_argument("--quick", action="store_true",
-                       help="small sizes and few repeats (CI smoke run)")
+        p.add_argument(
+            "--quick",
+            action="store_true",
+            help="small sizes and few repeats (CI smoke run)",
+        )
         p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
         module.add_arguments(p)
         p.set_defaults(_bench_run=module.run)

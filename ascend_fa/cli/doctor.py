@@ -32,8 +32,13 @@ def collect() -> dict[str, object]:
     from ascend_fa.backends import ENV_VAR, get_backend, list_backends
 
     backends = [
-        {"name": i.name, "source": i.source, "available": i.available, "reason": i.reason,
-         "priority": i.priority}
+        {
+            "name": i.name,
+            "source": i.source,
+            "available": i.available,
+            "reason": i.reason,
+            "priority": i.priority,
+        }
         for i in list_backends()
     ]
     try:
@@ -44,8 +49,9 @@ def collect() -> dict[str, object]:
     cann = _cann_info()
     npu = next((b for b in backends if b["name"] == "npu"), None)
     cann["torch_npu_importable"] = bool(npu and npu["available"]) or (
-        bool(npu) and cann["torch_npu_installed"] and "import torch_npu failed" not in
-        str(npu["reason"])
+        bool(npu)
+        and cann["torch_npu_installed"]
+        and "import torch_npu failed" not in str(npu["reason"])
     )
     return {
         "ascend_fa": ascend_fa.__version__,
@@ -65,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0 if info["selected"] else 1
-    print(f"ascend-fa {info['ascend_fa']}  torch {info['torch']}  python {info['python']}")
+    print(
+        f"ascend-fa {info['ascend_fa']}  torch {info['torch']}  python {info['python']}"
+    )
     print(f"platform  {info['platform']}")
     env = info["env"]
     for key, val in env.items():
@@ -79,7 +87,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"selected backend: none ({info['selection_error']})")
     cann = info["cann"]
-    print(f"CANN toolkit: {cann['toolkit_home'] or 'not found (ASCEND_TOOLKIT_HOME unset)'}")
-    print(f"torch_npu installed: {cann['torch_npu_installed']}  "
-          f"importable: {cann['torch_npu_importable']}")
+    print(
+        "CANN toolkit:",
+        cann["toolkit_home"] or "not found (ASCEND_TOOLKIT_HOME unset)",
+    )
+    print(
+        f"torch_npu installed: {cann['torch_npu_installed']}  "
+        f"importable: {cann['torch_npu_importable']}"
+    )
     return 0 if info["selected"] else 1

@@ -1,0 +1,79 @@
+"""Model adapters: where Q, K and V of each supported architecture are observed.
+
+The registry is keyed by ``config.model_type``:
+
+================  ===================================  =============
+model_type        adapter                              fa_quant_type
+================  ===================================  =============
+``llama``         :class:`.gqa.GQAAdapter`             ``FAQuant``
+``qwen2``         :class:`.gqa.GQAAdapter`             ``FAQuant``
+``qwen3``         :class:`.gqa.GQAAdapter`             ``FAQuant``
+``mistral``       :class:`.gqa.GQAAdapter`             ``FAQuant``
+``deepseek_v3``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
+================  ===================================  =============
+
+Every adapter implements ``inject_fa3_placeholders(root_name, root_module,
+should_inject)`` (seed interface), ``remove_fa3_placeholders(root_module)``,
+``attention_modules(root_module, root_name="")`` and carries ``fa_quant_type``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .deepseek_v3 import DeepseekV3Adapter
+from .gqa import GQAAdapter, remove_injection
+
+__all__ = [
+    "DeepseekV3Adapter",
+    "GQAAdapter",
+    "get_adapter",
+    "register_adapter",
+    "remove_injection",
+    "supported_model_types",
+]
+
+_REGISTRY: dict[str, Callable[[], object]] = {
+    "llama": GQAAdapter,
+    "qwen2": GQAAdapter,
+    "qwen3": GQAAdapter,
+    "mistral": GQAAdapter,
+    "deepseek_v3": DeepseekV3Adapter,
+}
+
+
+def register_adapter(model_type: str, factory: Callable[[], object]) -> None:
+    """Make ``get_adapter`` return ``factory()`` for models of ``model_type``."""
+    _REGISTRY[model_type] = factory
+
+
+def supported_model_types() -> list[str]:
+    """The ``config.model_type`` values that have an adapter, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_adapter(model: nn.Module | str) -> GQAAdapter | DeepseekV3Adapter:
+    """A fresh adapter for ``model`` (a module with ``.config``, or a model_type).
+
+    Raises ``ValueError`` naming the model type and listing the supported ones.
+    """
+    if isinstance(model, str):
+        model_type = model
+    else:
+        config = getattr(model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type is None:
+            raise ValueError(
+                f"cannot pick an FA3 adapter: {type(model).__name__} has no "
+                f"config.model_type; supported model types: "
+                f"{', '.join(supported_model_types())}"
+            )
+    factory = _REGISTRY.get(model_type)
+    if factory is None:
+        raise ValueError(
+            f"no FA3 adapter for model type {model_type!r}; supported model types: "
+            f"{', '.join(supported_model_types())}"
+        )
+    return factory()

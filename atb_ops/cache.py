@@ -379,9 +379,10 @@ def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale.view(1, -1, 1).to(torch.float32)
     for start in range(0, t, step):
         part = buf[: min(step, t - start)]
-        # exact widening copy, then divide: x.float() / s, as quantize_per_head does
-        part.copy_(x[start : start + step])
-        part.div_(s).round_().clamp_(INT8_MIN, INT8_MAX)
+        # one pass widens and divides: fp16/bf16 / fp32 promotes to fp32 exactly,
+        # so this is x.float() / s, as quantize_per_head computes it
+        torch.div(x[start : start + step], s, out=part)
+        part.round_().clamp_(INT8_MIN, INT8_MAX)
         out[start : start + step].copy_(part)
     return out
 
@@ -475,9 +476,6 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
     n1 = words // per if layout == "nz" else 0
     cache_blocks = cache.view(nb, -1).view(word)
 
-    def to_nz(tokens: torch.Tensor) -> torch.Tensor:  # [BS, W] -> NZ view
-        return tokens.view(bs, n1, per).transpose(0, 1) if layout == "nz" else tokens
-
     def from_nz(block: torch.Tensor) -> torch.Tensor:  # cache block -> [BS, W] view
         if layout == "nz":
             return block.view(n1, bs, per).transpose(0, 1).reshape(bs, words)
@@ -490,18 +488,38 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
         for j in partial.tolist():
             stage[j * bs : (j + 1) * bs].copy_(from_nz(cache_blocks[int(blocks[j])]))
         stage.index_copy_(0, dest, src)
-    if u <= _BLOCK_LOOP_MAX:
-        for i, b in enumerate(blocks.tolist()):
-            dst = (
-                cache_blocks[b].view(n1, bs, per) if layout == "nz" else cache_blocks[b]
-            )
-            dst.copy_(to_nz(stage[i * bs : (i + 1) * bs]).reshape(dst.shape))
+    runs = _consecutive_runs(blocks.tolist())
+    if len(runs) <= _BLOCK_LOOP_MAX:
+        # One strided copy per run of consecutive block ids (a fresh sequence's
+        # prefill is usually one run): the copy does the NZ tile transpose of all
+        # the run's blocks at once, so the per-copy overhead is paid once per run.
+        for i, b, n in runs:
+            dst = cache_blocks[b : b + n]
+            src_run = stage[i * bs : (i + n) * bs]
+            if layout == "nz":
+                dst.view(n, n1, bs, per).copy_(
+                    src_run.view(n, bs, n1, per).transpose(1, 2)
+                )
+            else:
+                dst.copy_(src_run.view(n, -1))
         return
     if layout == "nz":
         out = torch.native_channel_shuffle(stage.view(u, -1, per), bs).view(u, -1)
     else:
         out = stage.view(u, -1)
     cache_blocks.index_copy_(0, blocks, out)
+
+
+def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
+    """``(position, first_block, length)`` of each maximal run of consecutive ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            pos, first, n = runs[-1]
+            runs[-1] = (pos, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
 
 
 def _scatter_rows(

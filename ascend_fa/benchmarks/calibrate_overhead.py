@@ -1,0 +1,339 @@
+"""``ascend-fa bench calibration-overhead``: calibration wall time vs plain forwards.
+
+On SmolLM2-135M-Instruct (the demo model; ``--quick`` uses a randomly initialised
+model of the same architecture so it needs no download and no GGUF load) it feeds
+``--num-samples`` x ``--seq-len`` tokens of the packaged calibration text, in
+batches of ``--batch-size``, through
+
+* **plain**: the bare model (``use_cache=False, logits_to_keep=1``, as
+  ``ascend-fa calibrate`` calls it);
+* **ours**: the default recipe (recall window, union; exact two-level ``topk`` of
+  the tails) — injection, observers, and the final qparams;
+* **packaged default**: the recipe ``ascend-fa calibrate`` uses (recall window,
+  pooled, ``max_samples`` tightened to this run's exact bound);
+* **seed (sort)**: the same calibration with the seed's sort-based window: every
+  update sorts each head's samples (``recall_window_sort_ref``) — emulated here for
+  comparison;
+* **clip search**: the extra time of the attention-output clip search
+  (:mod:`ascend_fa.calibration_search`) on the retained rows, reported on top of
+  ours.
+
+The three forward variants run interleaved batch by batch (plain, ours, seed) so
+that load changes on a shared machine hit them alike; each variant's time is the
+sum over batches after one untimed warm-up forward. Ratios are against plain in the
+same run; the goal for ours is <= 1.25x. The scales of ours and of the sort-based
+emulation must be identical (same windows, same union) and are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._util import print_table, write_json
+
+NAME = "calibration-overhead"
+HELP = "calibration wall time (default recipe) vs the same plain forwards; seed's sort"
+
+GOAL = 1.25
+
+#: The recipe ``ascend-fa calibrate`` uses by default.
+PACKAGED_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "default.yaml"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or .gguf (default: the SmolLM2 demo model; "
+        "--quick: random weights of its architecture)",
+    )
+    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
+    parser.add_argument(
+        "--num-samples", type=int, default=0, help="samples (default 32, quick 4)"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        help="tokens per sample (default 512, quick 128)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="samples per forward (default 4)"
+    )
+    parser.add_argument(
+        "--no-search", action="store_true", help="skip timing the clip search"
+    )
+
+
+def _smollm2_like() -> tuple[nn.Module, str]:
+    """Random-weight model with SmolLM2-135M's architecture, and a tokenizer-free
+    vocabulary size (inputs are token ids)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = "sdpa"
+    return model, "random-init SmolLM2-135M architecture (30 layers, 9/3 heads)"
+
+
+def _token_ids(tokenizer: Any, vocab: int, n: int, length: int) -> torch.Tensor:
+    """``[n, length]`` token ids: the packaged calibration text, tokenized and
+    repeated as needed (random ids when there is no tokenizer)."""
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, vocab, (n, length), generator=g)
+    from ascend_fa.calib_data import load_calib_texts
+
+    text = "\n\n".join(load_calib_texts())
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
+    reps = -(-n * length // ids.numel())
+    return ids.repeat(reps)[: n * length].view(n, length)
+
+
+class _SortWindowObserver(nn.Module):
+    """The seed's method: per update, sort every head's samples and take the
+    narrowest window covering ``int(ratio * N)`` of them; union across updates."""
+
+    def __init__(self, num_heads: int, ratio: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.ratio = ratio
+        self.lo = torch.full((num_heads,), float("inf"))
+        self.hi = torch.full((num_heads,), float("-inf"))
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        from ascend_fa.calibration import recall_window_sort_ref
+
+        xs = x.detach()
+        if token_mask is not None and not bool(token_mask.all()):
+            rows = xs.transpose(0, 1)[:, token_mask].reshape(self.num_heads, -1)
+        else:
+            rows = xs.transpose(0, 1).reshape(self.num_heads, -1)
+        lo, hi = recall_window_sort_ref(rows, self.ratio)
+        self.lo = torch.minimum(self.lo, lo)
+        self.hi = torch.maximum(self.hi, hi)
+        return x
+
+
+def run(args: argparse.Namespace) -> int:
+    from ascend_fa.adapters import get_adapter
+    from ascend_fa.atb_ops import per_head_qparams
+    from ascend_fa.calibration import (
+        FA_BRANCHES,
+        FA3Observer,
+        FA3Processor,
+        default_recipe,
+        find_fa_modules,
+        load_recipe,
+    )
+    from ascend_fa.calibration_search import (
+        KeepingObserver,
+        SampleKeeper,
+        SearchConfig,
+        search_scales,
+    )
+    from ascend_fa.cli.calibrate import samples_bound, tighten_max_samples
+
+    n = args.num_samples or (4 if args.quick else 32)
+    length = args.seq_len or (128 if args.quick else 512)
+    bs = args.batch_size
+    if min(n, length, bs) <= 0:
+        raise ValueError("--num-samples, --seq-len and --batch-size must be > 0")
+    t0 = time.perf_counter()
+    if args.quick and args.model is None:
+        model, what = _smollm2_like()
+        tokenizer = None
+    else:
+        from ascend_fa.models import load_model
+
+        loaded = load_model(args.model, args.gguf_file)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        what = str(loaded.gguf_file or loaded.source_dir)
+    t_load = time.perf_counter() - t0
+    ids = _token_ids(tokenizer, model.config.vocab_size, n, length)
+    batches = [ids[i : i + bs] for i in range(0, n, bs)]
+    config = default_recipe().processors[0]
+    adapter = get_adapter(model)
+    # The packaged recipe `ascend-fa calibrate` uses (pooled recall window), with
+    # max_samples lowered to the exact bound of this run, as the command does.
+    probe = FA3Processor(config)
+    probe.preprocess(model, adapter)
+    bound = samples_bound(find_fa_modules(model), n, length)
+    adapter.remove_fa3_placeholders(model)
+    (packaged,) = load_recipe(PACKAGED_RECIPE).processors
+    packaged = tighten_max_samples(packaged, bound)
+
+    def attach(
+        modules: dict[tuple[str, str], nn.Module] | None,
+        make: Any,
+        cfg: Any = config,
+    ) -> dict[tuple[str, str], nn.Module]:
+        """Inject, then put the persistent per-point modules in place."""
+        proc = FA3Processor(cfg)
+        proc.preprocess(model, adapter)
+        if modules is None:
+            modules = {}
+            proc.process(model)
+            for name, mod in find_fa_modules(model).items():
+                for b in FA_BRANCHES:
+                    modules[(name, b)] = make(name, b, mod._modules[b])
+        for name, mod in find_fa_modules(model).items():
+            for b in FA_BRANCHES:
+                mod._modules[b] = modules[(name, b)]
+        return modules
+
+    keepers: dict[str, dict[str, SampleKeeper]] = {}
+    search_cfg = SearchConfig(rows=2, tokens=128) if args.quick else SearchConfig()
+
+    def make_ours(name: str, b: str, obs: nn.Module) -> nn.Module:
+        if args.no_search:
+            return obs
+        keeper = SampleKeeper(search_cfg.rows, search_cfg.tokens)
+        keepers.setdefault(name, {})[b] = keeper
+        return KeepingObserver(obs, keeper)
+
+    def make_seed(name: str, b: str, obs: nn.Module) -> nn.Module:
+        return _SortWindowObserver(obs.num_heads, config.branch_settings(b).ratio)
+
+    times = {"plain": 0.0, "ours": 0.0, "seed": 0.0, "pooled": 0.0}
+    pooled_mods: dict[tuple[str, str], nn.Module] | None = None
+    ours_mods: dict[tuple[str, str], nn.Module] | None = None
+    seed_mods: dict[tuple[str, str], nn.Module] | None = None
+    with torch.no_grad():
+        model(input_ids=batches[0], use_cache=False, logits_to_keep=1)  # warm-up
+        for batch in batches:
+            t = time.perf_counter()
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            times["plain"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            ours_mods = attach(ours_mods, make_ours)
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            adapter.remove_fa3_placeholders(model)
+            times["ours"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            pooled_mods = attach(pooled_mods, lambda _n, _b, obs: obs, packaged)
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            adapter.remove_fa3_placeholders(model)
+            times["pooled"] += time.perf_counter() - t
+
+            t = time.perf_counter()
+            seed_mods = attach(seed_mods, make_seed)
+            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            adapter.remove_fa3_placeholders(model)
+            times["seed"] += time.perf_counter() - t
+        assert ours_mods is not None and seed_mods is not None
+        t = time.perf_counter()
+        ours_scales = {}
+        for key, mod in ours_mods.items():
+            obs = mod.inner if isinstance(mod, KeepingObserver) else mod
+            assert isinstance(obs, FA3Observer)
+            ours_scales[key] = obs.observer.qparams()[0]
+        times["ours"] += time.perf_counter() - t
+        t = time.perf_counter()
+        for mod in (pooled_mods or {}).values():
+            mod.observer.qparams()
+        times["pooled"] += time.perf_counter() - t
+        t = time.perf_counter()
+        seed_scales = {k: per_head_qparams(m.lo, m.hi)[0] for k, m in seed_mods.items()}
+        times["seed"] += time.perf_counter() - t
+    identical = all(torch.equal(ours_scales[k], seed_scales[k]) for k in ours_scales)
+
+    t_search = None
+    if not args.no_search:
+        proc = FA3Processor(config)
+        proc.preprocess(model, adapter)
+        mods = find_fa_modules(model)
+        start = {
+            name: {b: ours_scales[(name, b)] for b in FA_BRANCHES} for name in mods
+        }
+        t = time.perf_counter()
+        search_scales(mods, start, keepers, search_cfg)
+        t_search = time.perf_counter() - t
+        adapter.remove_fa3_placeholders(model)
+
+    base = times["plain"]
+    rows = [
+        ["plain forwards", f"{base:.2f}", "1.00x", ""],
+        [
+            "calibration, ours (recall window union, exact topk tails)",
+            f"{times['ours']:.2f}",
+            f"{times['ours'] / base:.2f}x",
+            "PASS" if times["ours"] / base <= GOAL else "MISS",
+        ],
+        [
+            "calibration, packaged default recipe (recall window, pooled)",
+            f"{times['pooled']:.2f}",
+            f"{times['pooled'] / base:.2f}x",
+            "PASS" if times["pooled"] / base <= GOAL else "MISS",
+        ],
+        [
+            "calibration, seed method (sort per update, emulated)",
+            f"{times['seed']:.2f}",
+            f"{times['seed'] / base:.2f}x",
+            "",
+        ],
+    ]
+    if t_search is not None:
+        total = times["ours"] + t_search
+        rows.append(
+            [
+                f"ours + clip search ({search_cfg.rows}x{search_cfg.tokens} "
+                "tokens/layer)",
+                f"{total:.2f}",
+                f"{total / base:.2f}x",
+                "",
+            ]
+        )
+    print(
+        f"model: {what} (load {t_load:.1f} s); {n} samples x {length} tokens, "
+        f"batch {bs}, {len(batches)} forwards per variant, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print_table(
+        ["variant", "seconds", "vs plain", f"goal <= {GOAL}x"],
+        rows,
+        title="Calibration overhead (Q/K/V per head, ratio 0.9999/0.9999/1.0)",
+    )
+    print(
+        f"ours and the sort-based emulation give identical scales: "
+        f"{'yes' if identical else 'NO'}"
+    )
+    write_json(
+        args.json,
+        {
+            "benchmark": NAME,
+            "model": what,
+            "num_samples": n,
+            "seq_len": length,
+            "batch_size": bs,
+            "seconds": times,
+            "clip_search_seconds": t_search,
+            "ratio_ours": times["ours"] / base,
+            "ratio_seed": times["seed"] / base,
+            "ratio_pooled": times["pooled"] / base,
+            "goal": GOAL,
+            "identical_scales": identical,
+        },
+    )
+    return 0 if identical else 1

@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shuffle seed of the calibration/held-out split")
     parser.add_argument("--heldout", type=int, default=4,
                         help="held-out samples for the report (default 4; 0 = none)")
+    parser.add_argument("--clip-search", action="store_true",
+                        help="after the recipe's observers, choose each head's clip "
+                        "by the attention-output error on retained calibration rows "
+                        "(GQA models; changes only the exported static scales)")
 
 
 def tokenize_batch(
@@ -116,6 +120,42 @@ def _progress(total: int, desc: str) -> Any:
 
 
 @torch.no_grad()
+def samples_bound(
+    fa_modules: dict[str, nn.Module], num_texts: int, max_length: int
+) -> int | None:
+    """Most samples any head can see: every text is cut to ``max_length`` tokens
+    and a head sees ``D`` values per token (None when a point's ``D`` is unknown)."""
+    dims = [
+        getattr(child, "head_dim", None)
+        for module in fa_modules.values()
+        for branch, child in module.named_children()
+        if branch.startswith("fa_")
+    ]
+    if not dims or any(not isinstance(d, int) for d in dims):
+        return None
+    return num_texts * max_length * max(dims)
+
+
+def tighten_max_samples(config: Any, bound: int | None) -> Any:
+    """``config`` with every ``max_samples`` lowered to ``bound``.
+
+    ``pooled`` keeps ``N_max - int(ratio * N_max) + 1`` values per head and tail, so
+    the declared bound sets its cost per update. The calibration set bounds the
+    samples exactly, so lowering the declared bound to it changes no result (the
+    window is still exact) and keeps the retained tails short.
+    """
+    if bound is None:
+        return config
+    update: dict[str, Any] = {}
+    if config.max_samples is not None and config.max_samples > bound:
+        update["max_samples"] = bound
+    for branch in ("fa_q", "fa_k", "fa_v"):
+        over = getattr(config, branch)
+        if over is not None and (over.max_samples or 0) > bound:
+            update[branch] = over.model_copy(update={"max_samples": bound})
+    return config.model_copy(update=update) if update else config
+
+
 def calibrate_model(
     model: nn.Module,
     tokenizer: Any,
@@ -149,7 +189,9 @@ def calibrate_model(
             f"the recipe selects no attention module (include/exclude match none of "
             f"the {len(names)} attention modules, e.g. {names[0] if names else '-'})"
         )
+    bound = samples_bound(selected, len(texts), max_length)
     for proc in processors:
+        proc.config = tighten_max_samples(proc.config, bound)
         proc.process(model)
     bar = _progress(len(texts), "calibrate")
     for chunk in _batches(texts, batch_size):
@@ -364,7 +406,10 @@ def run(args: argparse.Namespace) -> int:
     model = loaded.model.to(device)
     t_load = time.perf_counter() - t0
     t0 = time.perf_counter()
-    processors, adapter, ranges = calibrate_model(
+    calibrate = calibrate_model
+    if args.clip_search:
+        from ascend_fa.calibration_search import calibrate_with_search as calibrate
+    processors, adapter, ranges = calibrate(
         model, loaded.tokenizer, calib, recipe=recipe, max_length=args.max_length,
         batch_size=args.batch_size, device=device)
     t_cal = time.perf_counter() - t0

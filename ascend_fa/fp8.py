@@ -297,31 +297,16 @@ def _dequantize_chunk(
     hv.copy_(codes.view(torch.int8))  # sign-extends: bit 15 = sign, bit 14 = sign too
     hv.bitwise_left_shift_(7)
     hv.bitwise_and_(-16385)  # clear bit 14 (~0x4000 as int16)
+    x = ws.get("f32", (rows, cols), torch.float32)
+    x.copy_(half.view(torch.float16))
     scale = scale_inv * 256.0
+    xb = x.view(nbr, br, nbc, bc)
+    if bool(torch.isfinite(scale).all()):
+        xb.mul_(scale.view(nbr, 1, nbc, 1))
+    else:  # scale_inv * 2**8 overflows fp32: apply the two factors one by one
+        xb.mul_(256.0).mul_(scale_inv.view(nbr, 1, nbc, 1))
     out = ws.output((r, n), dtype)
-    if (
-        rows == r
-        and cols == n
-        and out.is_contiguous()
-        and bool(torch.isfinite(scale).all())
-    ):
-        # Whole blocks: one pass. fp16 x fp32 computes in fp32 (the fp16 values widen
-        # exactly) and rounds once into the output dtype, i.e. exactly
-        # (codes.float() * scale_inv).to(dtype).
-        torch.mul(
-            half.view(torch.float16).view(nbr, br, nbc, bc),
-            scale.view(nbr, 1, nbc, 1),
-            out=out.view(nbr, br, nbc, bc),
-        )
-    else:
-        x = ws.get("f32", (rows, cols), torch.float32)
-        x.copy_(half.view(torch.float16))
-        xb = x.view(nbr, br, nbc, bc)
-        if bool(torch.isfinite(scale).all()):
-            xb.mul_(scale.view(nbr, 1, nbc, 1))
-        else:  # scale_inv * 2**8 overflows fp32: apply the two factors one by one
-            xb.mul_(256.0).mul_(scale_inv.view(nbr, 1, nbc, 1))
-        out.copy_(x[:r, :n])
+    out.copy_(x[:r, :n])
     if dtype == torch.float16:
         finite = torch.isfinite(out)
         if not bool(finite.all()):

@@ -329,6 +329,20 @@ def test_dequantize_blockwise_every_code_bit_equal():
         )
 
 
+def test_dequantize_blockwise_whole_blocks_bit_equal():
+    """Whole 128x128 blocks (no edge padding), every code, subnormal products."""
+    u = torch.arange(256, dtype=torch.uint8)
+    codes = u[(u & 0x7F) != 0x7F].view(FP8)
+    q = codes.repeat(800)[: 256 * 384].view(256, 384)
+    gen = torch.Generator().manual_seed(6)
+    s = torch.rand(2, 3, generator=gen) * 1e-2
+    s[1, 2] = TINY
+    for dtype in (torch.bfloat16, torch.float16):
+        assert_bit_equal(
+            dequantize_blockwise(q, s, dtype), naive_dequantize(q, s, dtype)
+        )
+
+
 def test_dequantize_blockwise_huge_scale_path():
     q = torch.tensor([[448.0, -0.5, 2.0**-9]]).to(FP8)
     s = torch.tensor([[2.0**125]])  # scale * 256 overflows: exact fallback path

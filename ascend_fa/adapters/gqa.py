@@ -26,6 +26,7 @@ which registers its own per-kind handler in :data:`ATTENTION_HANDLERS`.
 
 from __future__ import annotations
 
+import abc
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -193,12 +194,13 @@ class _InjectingAdapter(FA3QuantAdapterInterface):
     #: handler key in :data:`ATTENTION_HANDLERS`.
     kind: str = ""
 
+    @abc.abstractmethod
     def is_attention(self, module: nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether ``module`` is an attention module this adapter handles."""
 
+    @abc.abstractmethod
     def head_counts(self, module: nn.Module) -> dict[str, tuple[int, int]]:
         """``{branch: (num_heads, head_dim)}`` for the three branches."""
-        raise NotImplementedError
 
     def _after_inject(self, name: str, module: nn.Module, ctx: FAContext) -> None:
         """Per-module extra wiring (hooks); default none."""

@@ -20,11 +20,20 @@ mixes prose, dialogue, code and numbers.
 from __future__ import annotations
 
 import json
+import logging
+import random
 import re
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["TEXT_FIELDS", "default_calib_path", "load_calib_texts"]
+__all__ = [
+    "TEXT_FIELDS",
+    "default_calib_path",
+    "load_calib_texts",
+    "split_calibration",
+]
+
+logger = logging.getLogger(__name__)
 
 #: JSONL fields searched for the sample text, in priority order.
 TEXT_FIELDS = ("inputs_pretokenized", "text", "prompt")
@@ -90,3 +99,33 @@ def load_calib_texts(path: str | Path | None = None) -> list[str]:
     if not samples:
         raise ValueError(f"{path}: calibration file is empty (no samples)")
     return samples
+
+
+def split_calibration(
+    texts: list[str], num: int, heldout: int, seed: int
+) -> tuple[list[str], list[str]]:
+    """Shuffle ``texts`` with ``seed``, set the last ``heldout`` aside for the
+    report, and return ``(first num of the rest, held out)``. ``ascend-fa
+    calibrate`` and ``ascend-fa eval --compare-methods`` use the same split."""
+    if num <= 0:
+        raise ValueError(f"--num-samples must be > 0, got {num}")
+    if heldout < 0:
+        raise ValueError(f"--heldout must be >= 0, got {heldout}")
+    order = list(texts)
+    random.Random(seed).shuffle(order)
+    held = order[len(order) - heldout :] if heldout else []
+    pool = order[: len(order) - len(held)]
+    if not pool:
+        raise ValueError(
+            f"--heldout {heldout} leaves no calibration sample "
+            f"(the data has {len(texts)})"
+        )
+    if num > len(pool):
+        logger.warning(
+            "--num-samples %d but only %d samples remain after the held-out split; "
+            "calibrating on %d",
+            num,
+            len(pool),
+            len(pool),
+        )
+    return pool[:num], held

@@ -36,7 +36,6 @@ at each FA point), plus the clip search of :mod:`ascend_fa.calibration_search`.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -497,10 +496,9 @@ def calibration_split(
 ) -> list[str]:
     """The calibration samples ``ascend-fa calibrate`` uses by default: shuffle with
     ``seed``, set the last ``heldout`` aside, take the first ``num_samples``."""
-    order = list(texts)
-    random.Random(seed).shuffle(order)
-    pool = order[: len(order) - heldout] if heldout else order
-    return pool[:num_samples]
+    from ascend_fa.calib_data import split_calibration
+
+    return split_calibration(texts, num_samples, heldout, seed)[0]
 
 
 class _FanOut(nn.Module):

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import logging
 import math
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,28 +354,9 @@ def _device(name: str | None) -> torch.device:
     return get_backend(name).device
 
 
-def _split(texts: list[str], num: int, heldout: int, seed: int
-           ) -> tuple[list[str], list[str]]:
-    if num <= 0:
-        raise ValueError(f"--num-samples must be > 0, got {num}")
-    if heldout < 0:
-        raise ValueError(f"--heldout must be >= 0, got {heldout}")
-    order = list(texts)
-    random.Random(seed).shuffle(order)
-    held = order[len(order) - heldout:] if heldout else []
-    pool = order[:len(order) - len(held)]
-    if not pool:
-        raise ValueError(f"--heldout {heldout} leaves no calibration sample "
-                         f"(the data has {len(texts)})")
-    if num > len(pool):
-        logger.warning("--num-samples %d but only %d samples remain after the "
-                       "held-out split; calibrating on %d", num, len(pool), len(pool))
-    return pool[:num], held
-
-
 def run(args: argparse.Namespace) -> int:
     from ascend_fa import export
-    from ascend_fa.calib_data import load_calib_texts
+    from ascend_fa.calib_data import load_calib_texts, split_calibration
     from ascend_fa.calibration import load_recipe
     from ascend_fa.models import load_model, source_dtype
 
@@ -397,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         Path(__file__).resolve().parent.parent / "recipes" / "default.yaml")
     recipe = load_recipe(Path(recipe_path))
     texts = load_calib_texts(args.calib_data)
-    calib, held = _split(texts, args.num_samples, args.heldout, args.seed)
+    calib, held = split_calibration(texts, args.num_samples, args.heldout, args.seed)
     torch.manual_seed(args.seed)
     device = _device(args.backend)
 

@@ -1,9 +1,8 @@
 """ascend-fa: attention quantization for Huawei Ascend NPUs.
 
-Primitives (NZ layout, per-head INT8) and backend selection are imported eagerly;
-the heavier product modules (calibration, KV cache, attention, FP8 conversion) load
-on first attribute access so ``import ascend_fa`` stays light and never imports
-torch_npu.
+Every public name loads on first attribute access, so ``import ascend_fa`` (and the
+``ascend-fa`` command's ``--help``) imports neither torch nor transformers, and it
+never imports torch_npu.
 """
 
 from __future__ import annotations
@@ -11,23 +10,26 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .atb_ops import (
-    ACL_FORMAT_FRACTAL_NZ,
-    ACL_FORMAT_ND,
-    c0,
-    dequantize_per_head,
-    nd_to_nz,
-    nz_cache_shape,
-    nz_to_nd,
-    per_head_qparams,
-    quantize_per_head,
-)
-from .backends import AttentionSpec, Backend, get_backend, list_backends, select_backend
-
 __version__ = "0.1.0"
 
-# Public names that live in product modules, loaded on first use: name -> module.
+# Public names, loaded on first use: name -> module.
 _LAZY: dict[str, str] = {
+    # op layer: NZ layout and per-head INT8 primitives
+    "ACL_FORMAT_FRACTAL_NZ": "ascend_fa.atb_ops",
+    "ACL_FORMAT_ND": "ascend_fa.atb_ops",
+    "c0": "ascend_fa.atb_ops",
+    "dequantize_per_head": "ascend_fa.atb_ops",
+    "nd_to_nz": "ascend_fa.atb_ops",
+    "nz_cache_shape": "ascend_fa.atb_ops",
+    "nz_to_nd": "ascend_fa.atb_ops",
+    "per_head_qparams": "ascend_fa.atb_ops",
+    "quantize_per_head": "ascend_fa.atb_ops",
+    # device layer: backends and selection
+    "AttentionSpec": "ascend_fa.backends",
+    "Backend": "ascend_fa.backends",
+    "get_backend": "ascend_fa.backends",
+    "list_backends": "ascend_fa.backends",
+    "select_backend": "ascend_fa.backends",
     # calibration engine
     "recall_window": "ascend_fa.calibration",
     # paged KV cache and attention
@@ -45,26 +47,15 @@ _LAZY: dict[str, str] = {
     "dequantize_blockwise": "ascend_fa.fp8",
     "quantize_checkpoint": "ascend_fa.fp8",
     "dequantize_checkpoint": "ascend_fa.fp8",
+    # library verbs (what the CLI commands call)
+    "calibrate": "ascend_fa.calibration.job",
+    "export_artifact": "ascend_fa.artifact",
+    "inspect_artifact": "ascend_fa.artifact",
+    "run_eval": "ascend_fa.evaluation",
+    "run_emulate": "ascend_fa.emulation.verb",
 }
 
-__all__ = [
-    "ACL_FORMAT_FRACTAL_NZ",
-    "ACL_FORMAT_ND",
-    "AttentionSpec",
-    "Backend",
-    "__version__",
-    "c0",
-    "dequantize_per_head",
-    "get_backend",
-    "list_backends",
-    "nd_to_nz",
-    "nz_cache_shape",
-    "nz_to_nd",
-    "per_head_qparams",
-    "quantize_per_head",
-    "select_backend",
-    *sorted(_LAZY),
-]
+__all__ = ["__version__", *sorted(_LAZY)]
 
 
 def __getattr__(name: str) -> Any:

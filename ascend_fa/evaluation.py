@@ -27,17 +27,15 @@ a ``ScaleMap``         static per-head scales ``{attn: {fa_x: (scale [H], offset
                        perplexities)
 =====================  ==========================================================
 
-:func:`per_tensor_scales` turns per-head scales into the "per-tensor" baseline (one
-scale for all heads of a tensor: the largest). :func:`calibrate_methods` calibrates
-several recipes in a single pass over the calibration data (one observer per method
-at each FA point), plus the clip search of :mod:`ascend_fa.calibration_search`.
+:func:`~ascend_fa.calibration.methods.calibrate_methods` calibrates several methods
+in one pass for the comparison; :func:`run_eval` is the ``ascend-fa eval`` verb.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -46,15 +44,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascend_fa.atb_ops.constants import INT8_MAX, INT8_MIN, SCALE_EPS
-from ascend_fa.calibration.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
-from ascend_fa.calibration_search import SampleKeeper, SearchConfig, search_scales
+from ascend_fa.adapters.hf import swapped_points
+from ascend_fa.artifact.format import FA_BRANCHES, ScaleMap
+from ascend_fa.atb_ops import dynamic_fake_quant
+from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
+from ascend_fa.calibration.pipeline import injected_points, progress_bar
+from ascend_fa.calibration.placeholder import FA3QuantPlaceHolder
+from ascend_fa.metrics import OutputError, token_nll
 
 __all__ = [
     "EVAL_SETS",
     "ScaleMap",
     "QuantSpec",
-    "MethodSpec",
     "EvalResult",
     "DynamicFakeQuant",
     "eval_text_path",
@@ -64,20 +65,13 @@ __all__ = [
     "check_scales",
     "read_artifact_scales",
     "evaluate",
-    "default_methods",
-    "V_CLIP_RATIOS",
-    "calibrate_methods",
-    "calibration_split",
+    "EvalReport",
+    "run_eval",
 ]
 
 #: Held-out texts shipped with the package (never used for calibration).
 EVAL_SETS = {"prose": "eval_prose.txt", "code": "eval_code.txt"}
 
-#: attention module name -> {"fa_q": (scale [H] fp32, offset [H] int8), ...}
-ScaleMap = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
-#: What to fake-quantize: static per-head scales, "dynamic" per token and head, or
-#: "float" (nothing).
-QuantSpec = ScaleMap | str
 _SPEC_NAMES = ("dynamic", "float")
 
 
@@ -102,7 +96,7 @@ def load_eval_text(source: str | Path) -> str:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"evaluation data not found: {path}")
-    from ascend_fa.calib_data import load_calib_texts
+    from ascend_fa.calibration.data import load_calib_texts
 
     text = path.read_text(encoding="utf-8")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
@@ -133,21 +127,9 @@ def token_windows(
         ids = ids[:max_tokens]
     if ids.numel() < 2:
         raise ValueError("evaluation text has fewer than 2 tokens")
-    out = [ids[i:i + window] for i in range(0, ids.numel(), window)]
+    out = [ids[i : i + window] for i in range(0, ids.numel(), window)]
     if len(out) > 1 and out[-1].numel() < min_last:
         out.pop()
-    return out
-
-
-def per_tensor_scales(scales: ScaleMap) -> ScaleMap:
-    """One scale per tensor: every head of ``attn.fa_x`` gets the largest of its
-    per-head scales (the range that covers all heads)."""
-    out: ScaleMap = {}
-    for attn, branches in scales.items():
-        out[attn] = {}
-        for branch, (scale, offset) in branches.items():
-            s = scale.detach().float().reshape(-1)
-            out[attn][branch] = (torch.full_like(s, float(s.max())), offset.clone())
     return out
 
 
@@ -168,10 +150,7 @@ class DynamicFakeQuant(nn.Module):
     def forward(
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        xf = x.float()
-        scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=SCALE_EPS)
-        q = torch.clamp(torch.round(xf / scale), INT8_MIN, INT8_MAX)
-        return (q * scale).to(x.dtype)
+        return dynamic_fake_quant(x, dim=-1)
 
 
 @dataclass
@@ -227,41 +206,6 @@ class EvalResult:
         }
 
 
-# ---------------------------------------------------------------- FA points
-def _fa_modules(model: nn.Module) -> dict[str, nn.Module]:
-    from ascend_fa.calibration import find_fa_modules
-
-    return find_fa_modules(model)
-
-
-@contextmanager
-def _injected(model: nn.Module) -> Iterator[tuple[Any, dict[str, nn.Module]]]:
-    """FA points on every attention module for the duration; restores the model's
-    own ``fa_*`` children afterwards, or removes the injection if it made it."""
-    from ascend_fa.adapters import get_adapter
-
-    adapter = get_adapter(model)
-    mods = _fa_modules(model)
-    ours = not mods
-    if ours:
-        adapter.inject_fa3_placeholders("", model, lambda _name: True)
-        mods = _fa_modules(model)
-    saved = {
-        (name, b): m._modules[b]
-        for name, m in mods.items()
-        for b in FA_BRANCHES
-        if b in m._modules
-    }
-    try:
-        yield adapter, mods
-    finally:
-        if ours:
-            adapter.remove_fa3_placeholders(model)
-        else:
-            for (name, b), child in saved.items():
-                mods[name]._modules[b] = child
-
-
 def _heads(child: nn.Module) -> tuple[int, int | None]:
     return int(child.num_heads), getattr(child, "head_dim", None)
 
@@ -300,7 +244,7 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
     ``FileNotFoundError`` for a missing directory, ``ValueError`` for one without
     FA tensors.
     """
-    from ascend_fa.export import read_fa_scales
+    from ascend_fa.artifact.reader import read_fa_scales
 
     path = Path(directory)
     if not path.is_dir():
@@ -308,37 +252,26 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
     scales = read_fa_scales(path)
     if not scales:
         raise ValueError(
-            f"artifact {path} has no FA scales (no <attn>.fa_{{q,k,v}}.scale "
-            "tensors)"
+            f"artifact {path} has no FA scales (no <attn>.fa_{{q,k,v}}.scale tensors)"
         )
     return scales
 
 
-def _install(mods: Mapping[str, nn.Module], spec: QuantSpec | None) -> None:
-    """Put float placeholders (``None`` or ``"float"``), static fake-quant or
-    dynamic fake-quant modules at every FA point."""
+def _point_for(spec: QuantSpec | None, name: str) -> Any:
+    """``make(attn, branch, point)`` for :func:`swapped_points`: a float placeholder
+    (``None`` / ``"float"``), dynamic or static fake-quant at every FA point."""
     from ascend_fa.calibration import FA3FakeQuant
 
-    for name, module in mods.items():
-        for branch in FA_BRANCHES:
-            if branch not in module._modules:
-                continue
-            heads, dim = _heads(module._modules[branch])
-            new: nn.Module
-            if spec == "dynamic":
-                new = DynamicFakeQuant(branch, heads, dim)
-            elif isinstance(spec, Mapping) and name in spec:
-                scale, offset = spec[name][branch]
-                new = FA3FakeQuant(branch, scale.reshape(-1), offset.reshape(-1), dim)
-            else:
-                new = FA3QuantPlaceHolder(branch, heads, dim)
-            module._modules[branch] = new
+    def make(attn: str, branch: str, point: nn.Module) -> nn.Module:
+        heads, dim = _heads(point)
+        if spec == "dynamic":
+            return DynamicFakeQuant(branch, heads, dim)
+        if isinstance(spec, Mapping) and attn in spec:
+            scale, offset = spec[attn][branch]
+            return FA3FakeQuant(branch, scale.reshape(-1), offset.reshape(-1), dim)
+        return FA3QuantPlaceHolder(branch, heads, dim)
 
-
-def _nll(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return float(nll.double().sum()), int(nll.numel())
+    return make
 
 
 @torch.no_grad()
@@ -368,12 +301,12 @@ def evaluate(
                 f"got {spec!r}"
             )
     device = next(model.parameters()).device
-    with _injected(model) as (_adapter, mods):
+    with injected_points(model) as (_adapter, mods):
         for spec in specs.values():
             if not isinstance(spec, str):
                 check_scales(mods, spec)
         names = list(mods)
-        acc = {k: torch.zeros(len(names), 5, dtype=torch.float64) for k in specs}
+        errs = {k: {n: OutputError() for n in names} for k in specs}
         nll = dict.fromkeys(specs, 0.0)
         nll_float = 0.0
         count = 0
@@ -383,30 +316,33 @@ def evaluate(
             def fn(_m: nn.Module, _a: tuple, out: Any) -> None:
                 t = out[0] if isinstance(out, tuple) else out
                 captured[name] = t.detach().double()
+
             return fn
 
         handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
         order = sorted(range(len(windows)), key=lambda i: -windows[i].numel())
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(windows) * (1 + len(specs)), desc="evaluate",
-                       unit="forward", leave=False)
+        bar = (
+            progress_bar(len(windows) * (1 + len(specs)), "evaluate", "forward")
+            if progress
+            else None
+        )
         try:
             i = 0
             while i < len(order):
                 # Batch only windows of equal length: no padding, exact NLL.
                 n = windows[order[i]].numel()
                 group = [order[i]]
-                while (len(group) < batch_size and i + len(group) < len(order)
-                       and windows[order[i + len(group)]].numel() == n):
+                while (
+                    len(group) < batch_size
+                    and i + len(group) < len(order)
+                    and windows[order[i + len(group)]].numel() == n
+                ):
                     group.append(order[i + len(group)])
                 i += len(group)
                 ids = torch.stack([windows[j] for j in group]).to(device)
-                _install(mods, None)
-                out = model(input_ids=ids, use_cache=False)
-                s, c = _nll(out.logits, ids)
+                with swapped_points(mods, _point_for(None, "float")):
+                    out = model(input_ids=ids, use_cache=False)
+                s, c = token_nll(out.logits, ids)
                 nll_float += s
                 count += c
                 del out
@@ -414,15 +350,12 @@ def evaluate(
                 if bar is not None:
                     bar.update(len(group))
                 for key, spec in specs.items():
-                    _install(mods, spec)
-                    out = model(input_ids=ids, use_cache=False)
-                    nll[key] += _nll(out.logits, ids)[0]
+                    with swapped_points(mods, _point_for(spec, key)):
+                        out = model(input_ids=ids, use_cache=False)
+                    nll[key] += token_nll(out.logits, ids)[0]
                     del out
-                    for li, name in enumerate(names):
-                        a, b = ref[name], captured[name]
-                        acc[key][li] += torch.stack([
-                            (a * b).sum(), (a * a).sum(), (b * b).sum(),
-                            (a - b).abs().sum(), a.abs().sum()]).cpu()
+                    for name in names:
+                        errs[key][name].add(ref[name], captured[name])
                     if bar is not None:
                         bar.update(len(group))
         finally:
@@ -434,176 +367,171 @@ def evaluate(
     results = {}
     for key in specs:
         cos, rel = {}, {}
-        for li, name in enumerate(names):
-            dot, aa, bb, diff, norm = acc[key][li].tolist()
+        for name in names:
+            err = errs[key][name]
+            aa, bb = err.sums[1].item(), err.sums[2].item()
+            diff = err.sums[3].item()
             # Two all-zero outputs are identical: cosine 1, no relative error.
-            cos[name] = dot / math.sqrt(aa * bb) if aa and bb else float(aa == bb)
-            rel[name] = diff / norm if norm else float(diff != 0)
-        results[key] = EvalResult(key, count, ppl_float,
-                                  math.exp(nll[key] / count), cos, rel)
+            cos[name] = err.cosine(empty=float(aa == bb))
+            rel[name] = err.rel_l1(empty=float(diff != 0))
+        results[key] = EvalResult(
+            key, count, ppl_float, math.exp(nll[key] / count), cos, rel
+        )
     return results
 
 
-# ------------------------------------------------------------- calibration
-@dataclass(frozen=True)
-class MethodSpec:
-    """One row of the method comparison.
+@dataclass
+class EvalReport:
+    """What :func:`run_eval` measured: ``results[data set][method]`` and timings."""
 
-    ``config``: the ``fa3_quant`` settings whose observers give the scales (None for
-    ``dynamic``); ``per_tensor``: collapse to one scale per tensor; ``search``: run
-    the clip search from the config's scales; ``dynamic``: per-token-per-head.
-    """
+    model: str
+    artifact: str | None
+    results: dict[str, dict[str, EvalResult]]
+    timings: dict[str, float] = field(default_factory=dict)
 
-    name: str
-    config: Any = None
-    per_tensor: bool = False
-    search: SearchConfig | None = None
-    dynamic: bool = False
+    def table(self) -> tuple[str, list[str], list[list[str]]]:
+        """``(title, headers, rows)``: one row per method, four columns per data
+        set (ppl with its change, mean cosine, min cosine, mean rel-L1), plus a
+        float row."""
 
+        def fmt(v: float | None, spec: str) -> str:
+            bad = v is None or (isinstance(v, float) and math.isnan(v))
+            return "n/a" if bad else format(v, spec)
 
-#: Recall ratios of the best static method measured on SmolLM2: the seed's Q/K
-#: ratio, and V clipped to 99.95 % instead of kept whole (see the module notes).
-V_CLIP_RATIOS = {"q": 0.9999, "k": 0.9999, "v": 0.9995}
+        domains = list(self.results)
+        methods = list(next(iter(self.results.values())))
+        headers = ["method"]
+        for d in domains:
+            headers += [f"{d} ppl (Δ%)", f"{d} cos mean", f"{d} cos min", f"{d} rel-L1"]
+        rows: list[list[str]] = [["float"]]
+        for d in domains:
+            ppl = self.results[d][methods[0]].perplexity_float
+            rows[0] += [f"{ppl:.4f}", "1", "1", "0"]
+        for m in methods:
+            row = [m]
+            for d in domains:
+                r = self.results[d][m]
+                row += [
+                    f"{r.perplexity:.4f} ({r.ppl_delta_pct:+.3f}%)",
+                    fmt(r.mean_cosine, ".5f"),
+                    fmt(r.min_cosine, ".5f"),
+                    fmt(r.mean_rel_l1, ".5f"),
+                ]
+            rows.append(row)
+        tokens = ", ".join(
+            f"{d} {next(iter(r.values())).tokens}" for d, r in self.results.items()
+        )
+        title = (
+            f"FA Q/K/V INT8 fake-quant vs float ({tokens} predicted tokens; "
+            "cosine/rel-L1 of each attention module's output, whole model "
+            "fake-quantized)"
+        )
+        return title, headers, rows
 
-
-def default_methods(max_samples: int) -> list[MethodSpec]:
-    """The comparison of the issue: the observer methods, the per-tensor baseline,
-    the clip searches, and dynamic per-token-per-head (upper bound).
-
-    ``max_samples`` bounds the samples per head for ``pooled`` accumulation.
-    """
-    from ascend_fa.calibration import FA3QuantConfig
-
-    seed = FA3QuantConfig()
-    return [
-        MethodSpec("recall_window/union (default)", seed),
-        MethodSpec("recall_window/union, V ratio 0.9995",
-                   FA3QuantConfig(ratio=V_CLIP_RATIOS)),
-        MethodSpec("recall_window/pooled",
-                   FA3QuantConfig(accumulate="pooled", max_samples=max_samples)),
-        MethodSpec("abs_quantile", FA3QuantConfig(method="abs_quantile")),
-        MethodSpec("minmax", FA3QuantConfig(method="minmax")),
-        MethodSpec("per-tensor (recall_window)", seed, per_tensor=True),
-        MethodSpec("clip search: tensor MSE", seed,
-                   search=SearchConfig(objective="tensor_mse")),
-        MethodSpec("clip search: attention output", seed, search=SearchConfig()),
-        MethodSpec("dynamic per-token-per-head", dynamic=True),
-    ]
-
-
-def calibration_split(
-    texts: list[str], num_samples: int, heldout: int = 4, seed: int = 0
-) -> list[str]:
-    """The calibration samples ``ascend-fa calibrate`` uses by default: shuffle with
-    ``seed``, set the last ``heldout`` aside, take the first ``num_samples``."""
-    from ascend_fa.calib_data import split_calibration
-
-    return split_calibration(texts, num_samples, heldout, seed)[0]
-
-
-class _FanOut(nn.Module):
-    """One FA point feeding several observers (one per method) and, optionally, a
-    :class:`SampleKeeper` for the clip search; returns its input."""
-
-    def __init__(self, observers: dict[str, Any], keeper: SampleKeeper | None):
-        super().__init__()
-        self.observers = observers
-        self.keeper = keeper
-
-    def forward(
-        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        for obs in self.observers.values():
-            obs.update(x.detach(), token_mask)
-        if self.keeper is not None:
-            self.keeper.add(x, token_mask)
-        return x
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "artifact": self.artifact,
+            "timings": self.timings,
+            "results": {
+                d: {m: r.to_dict() for m, r in res.items()}
+                for d, res in self.results.items()
+            },
+        }
 
 
-@torch.no_grad()
-def calibrate_methods(
-    model: nn.Module,
-    tokenizer: Any,
-    texts: list[str],
-    methods: list[MethodSpec],
+def run_eval(
+    model: str | Path | None = None,
     *,
+    gguf_file: str | None = None,
+    artifact: str | Path | None = None,
+    data: list[str | Path] | None = None,
+    compare_methods: bool = False,
+    calib_data: str | Path | None = None,
+    num_samples: int = 32,
     max_length: int = 512,
     batch_size: int = 4,
-    progress: bool = False,
-) -> dict[str, QuantSpec]:
-    """Scales of every method in ``methods`` from one pass over ``texts``.
+    window: int = 512,
+    max_tokens: int | None = None,
+    progress: bool = True,
+) -> EvalReport:
+    """The ``ascend-fa eval`` verb: the artifact's scales and/or every calibration
+    method, float vs fake-quant on each data set (default: the packaged prose and
+    code texts). Bad artifacts and data files fail before the model loads."""
+    from ascend_fa.calibration.data import load_calib_texts
+    from ascend_fa.calibration.methods import (
+        calibrate_methods,
+        calibration_split,
+        default_methods,
+    )
+    from ascend_fa.errors import InputError
+    from ascend_fa.models import load_model
 
-    Returns ``{method name: ScaleMap or "dynamic"}``. Each FA point runs one
-    :class:`~ascend_fa.calibration.PerHeadObserver` per distinct observer config
-    (padding excluded through the attention mask, as in ``ascend-fa calibrate``);
-    search methods keep their ``rows`` x ``tokens`` samples in the same pass.
-    """
-    from ascend_fa.calibration import PerHeadObserver
-    from ascend_fa.cli.calibrate import tokenize_batch
-
-    if not texts:
-        raise ValueError("calibrate_methods: no calibration texts")
-    device = next(model.parameters()).device
-    configs = {m.config.model_dump_json(): m.config for m in methods if m.config}
-    searches = [m.search for m in methods if m.search is not None]
-    keep_rows = max((s.rows for s in searches), default=0)
-    keep_tokens = max((s.tokens for s in searches), default=0)
-    with _injected(model) as (_adapter, mods):
-        points: dict[tuple[str, str], _FanOut] = {}
-        for name, module in mods.items():
-            for branch in FA_BRANCHES:
-                heads, _ = _heads(module._modules[branch])
-                observers = {}
-                for key, cfg in configs.items():
-                    if not cfg.matches(name):
-                        continue
-                    s = cfg.branch_settings(branch)
-                    observers[key] = PerHeadObserver(
-                        heads, method=s.method, ratio=s.ratio,
-                        accumulate=s.accumulate, max_samples=s.max_samples,
-                        name=f"{name}.{branch}")
-                keeper = SampleKeeper(keep_rows, keep_tokens) if searches else None
-                points[(name, branch)] = module._modules[branch] = _FanOut(
-                    observers, keeper)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(texts), desc="calibrate", unit="sample", leave=False)
-        for i in range(0, len(texts), batch_size):
-            chunk = texts[i:i + batch_size]
-            model(**tokenize_batch(tokenizer, chunk, max_length, device),
-                  use_cache=False, logits_to_keep=1)
-            if bar is not None:
-                bar.update(len(chunk))
-        if bar is not None:
-            bar.close()
-        per_config: dict[str, ScaleMap] = {}
-        for key in configs:
-            smap: ScaleMap = {}
-            for (name, branch), point in points.items():
-                if key in point.observers:
-                    smap.setdefault(name, {})[branch] = point.observers[key].qparams()
-            per_config[key] = {n: e for n, e in smap.items() if len(e) == 3}
-        kept = {
-            name: {b: points[(name, b)].keeper for b in FA_BRANCHES}
-            for name in mods
-        } if searches else {}
-        out: dict[str, QuantSpec] = {}
-        for m in methods:
-            if m.dynamic:
-                out[m.name] = "dynamic"
-                continue
-            if m.config is None:
-                raise ValueError(f"method {m.name!r} has neither a config nor dynamic")
-            smap = per_config[m.config.model_dump_json()]
-            if m.search is not None:
-                start = {n: {b: e[b][0] for b in FA_BRANCHES} for n, e in smap.items()}
-                searched, _ = search_scales(mods, start, kept, m.search,
-                                            progress=progress)
-                smap = {
-                    n: {b: (s, smap[n][b][1]) for b, s in e.items()}
-                    for n, e in searched.items()
-                }
-            out[m.name] = per_tensor_scales(smap) if m.per_tensor else smap
-    return out
+    if artifact is None and not compare_methods:
+        raise InputError(
+            "nothing to evaluate: pass --artifact DIR and/or --compare-methods"
+        )
+    for flag, value in (
+        ("num_samples", num_samples),
+        ("max_length", max_length),
+        ("batch_size", batch_size),
+        ("window", window),
+    ):
+        if value <= 0:
+            raise InputError(f"--{flag.replace('_', '-')} must be > 0")
+    artifact_scales = read_artifact_scales(artifact) if artifact is not None else None
+    sources: dict[str, str | Path | None] = (
+        {Path(p).stem: Path(p) for p in data} if data else dict.fromkeys(EVAL_SETS)
+    )
+    texts = {
+        name: load_eval_text(src if src is not None else name)
+        for name, src in sources.items()
+    }
+    loaded = load_model(model, gguf_file)
+    net, tok = loaded.model, loaded.tokenizer
+    windows = {
+        name: token_windows(tok, t, window=window, max_tokens=max_tokens)
+        for name, t in texts.items()
+    }
+    specs: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+    if artifact_scales is not None:
+        specs[f"artifact {Path(artifact).name}"] = artifact_scales
+    if compare_methods:
+        calib = calibration_split(load_calib_texts(calib_data), num_samples)
+        head_dim = int(
+            getattr(net.config, "head_dim", None)
+            or net.config.hidden_size // net.config.num_attention_heads
+        )
+        methods = default_methods(len(calib) * max_length * head_dim)
+        t0 = time.perf_counter()
+        specs.update(
+            calibrate_methods(
+                net,
+                tok,
+                calib,
+                methods,
+                max_length=max_length,
+                batch_size=batch_size,
+                progress=progress,
+            )
+        )
+        timings["calibrate_all_methods_s"] = time.perf_counter() - t0
+    elif artifact_scales is not None:
+        specs["dynamic per-token-per-head"] = "dynamic"
+    results = {}
+    for name, win in windows.items():
+        t0 = time.perf_counter()
+        results[name] = evaluate(net, win, specs, progress=progress)
+        timings[f"evaluate_{name}_s"] = time.perf_counter() - t0
+    source = (
+        str(loaded.source_dir / loaded.gguf_file)
+        if loaded.gguf_file
+        else str(loaded.source_dir)
+    )
+    return EvalReport(
+        model=source,
+        artifact=None if artifact is None else str(artifact),
+        results=results,
+        timings=timings,
+    )

@@ -89,12 +89,16 @@ def _resolve(
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
         if gguf_file is not None and gguf_file != path.name:
-            raise ValueError(f"--model is a GGUF file ({path}) and --gguf-file names "
-                             f"another one ({gguf_file})")
+            raise ValueError(
+                f"--model is a GGUF file ({path}) and --gguf-file names "
+                f"another one ({gguf_file})"
+            )
         return path.parent, path.name
     if not path.is_dir():
-        raise ModelNotFoundError(f"model not found: {path} (expected a Hugging Face "
-                                 f"checkpoint directory or a .gguf file)")
+        raise ModelNotFoundError(
+            f"model not found: {path} (expected a Hugging Face "
+            f"checkpoint directory or a .gguf file)"
+        )
     if gguf_file is not None and not (path / gguf_file).is_file():
         raise ModelNotFoundError(f"GGUF file not found: {path / gguf_file}")
     if gguf_file is None and not (path / "config.json").is_file():
@@ -131,8 +135,14 @@ def load_model(
     excluded from calibration statistics through the attention mask, so the choice
     of pad id does not matter.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import sys
 
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    if not sys.stderr.isatty():
+        # Progress bars belong on a terminal; in logs they are noise.
+        hf_logging.disable_progress_bar()
     source_dir, gguf = _resolve(model, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     tokenizer = AutoTokenizer.from_pretrained(source_dir, **kwargs)
@@ -140,5 +150,6 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     net = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype, **kwargs)
     net.eval()
-    return LoadedModel(model=net, tokenizer=tokenizer, source_dir=source_dir,
-                       gguf_file=gguf)
+    return LoadedModel(
+        model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf
+    )

@@ -54,11 +54,16 @@ from .params import (
     ScatterPaKvCacheParams,
 )
 from .quant import (
+    absmax_scale,
     dequantize_per_head,
     dequantize_per_head_ref,
+    dynamic_fake_quant,
+    fake_quant_per_head,
+    int8_codes,
     per_head_qparams,
     quantize_per_head,
     quantize_per_head_ref,
+    saturated,
 )
 
 __all__ = [
@@ -88,8 +93,13 @@ __all__ = [
     "INT8_MIN",
     "NZ_ROW_ALIGN",
     "SCALE_EPS",
+    "absmax_scale",
     "c0",
     "dequantize_per_head",
+    "dynamic_fake_quant",
+    "fake_quant_per_head",
+    "int8_codes",
+    "saturated",
     "dequantize_per_head_ref",
     "nd_to_nz",
     "nd_to_nz_ref",

@@ -20,6 +20,20 @@ Numerics, and why:
 * ``q = clamp(round_half_even(x / scale), -128, 127)``: division (not multiplication
   by a reciprocal) and ties-to-even match ``npu_quantize(div_mode=True)``; -128 stays a
   legal code because the device saturates to it.
+
+This module is the one owner of that rule. Besides the validated ops it offers the
+unvalidated fast forms that the calibration search, the evaluation and the reports
+call many times per layer (same numerics, bit for bit):
+
+=======================  ====================================================
+function                 what
+=======================  ====================================================
+``int8_codes``           the fp32 codes ``clamp(round(x / s), -128, 127)``
+``fake_quant_per_head``  ``int8_codes(x, scale[axis]) * scale`` in fp32
+``saturated``            bool mask: ``round(x / s)`` outside ``[-128, 127]``
+``absmax_scale``         ``max(amax / 127, 2**-23)`` from an absmax tensor
+``dynamic_fake_quant``   per-slice (e.g. per token and head) quant -> dequant
+=======================  ====================================================
 """
 
 from __future__ import annotations
@@ -32,6 +46,11 @@ import torch
 from .constants import INT8_MAX, INT8_MIN, SCALE_EPS
 
 __all__ = [
+    "absmax_scale",
+    "dynamic_fake_quant",
+    "fake_quant_per_head",
+    "int8_codes",
+    "saturated",
     "per_head_qparams",
     "quantize_per_head",
     "dequantize_per_head",
@@ -74,10 +93,60 @@ def per_head_qparams(
         )
     lo32 = torch.clamp(lo.float(), max=0.0)
     hi32 = torch.clamp(hi.float(), min=0.0)
-    amax = torch.maximum(-lo32, hi32)
-    scale = torch.clamp(amax / INT8_MAX, min=SCALE_EPS)
+    scale = absmax_scale(torch.maximum(-lo32, hi32))
     offset = torch.zeros(scale.shape, dtype=torch.int8, device=scale.device)
     return scale, offset
+
+
+def absmax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax / 127, 2**-23)`` in fp32, any shape: the symmetric scale rule.
+
+    The floor keeps ``x / scale`` finite for an all-zero head or token.
+    """
+    return torch.clamp(amax.float() / INT8_MAX, min=SCALE_EPS)
+
+
+def int8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``clamp(round_half_even(x.float() / scale), -128, 127)`` as fp32 codes.
+
+    ``scale`` must already broadcast against ``x`` (fp32). No validation: this is the
+    inner rule every quantizer here shares.
+    """
+    return torch.clamp(torch.round(x.float() / scale), INT8_MIN, INT8_MAX)
+
+
+def fake_quant_per_head(
+    x: torch.Tensor, scale: torch.Tensor, axis: int = 1
+) -> torch.Tensor:
+    """Quant -> dequant in fp32: ``int8_codes(x, s) * s`` with ``scale`` ``[H]``
+    broadcast along ``axis``. Bit-equal to ``dequantize_per_head(quantize_per_head(x,
+    scale, axis), scale, axis)``, without their validation (callers that loop over
+    candidate scales call it hundreds of times)."""
+    axis = axis % x.dim()
+    s = scale.to(device=x.device, dtype=torch.float32).view(
+        _bshape(x.dim(), axis, x.shape[axis])
+    )
+    return int8_codes(x, s) * s
+
+
+def saturated(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tensor:
+    """Bool mask of the values whose code ``round(x / s)`` falls outside
+    ``[-128, 127]`` (they are clipped), ``scale`` ``[H]`` along ``axis``."""
+    axis = axis % x.dim()
+    s = scale.to(device=x.device, dtype=torch.float32).view(
+        _bshape(x.dim(), axis, x.shape[axis])
+    )
+    q = torch.round(x.float() / s)
+    return (q > INT8_MAX) | (q < INT8_MIN)
+
+
+def dynamic_fake_quant(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Quant -> dequant with one scale per slice along ``dim`` (e.g. per token and head
+    for ``[B, H, S, D]`` and ``dim=-1``): ``s = absmax_scale(max |x| over dim)``.
+    Returns ``x``'s dtype."""
+    xf = x.float()
+    s = absmax_scale(xf.abs().amax(dim=dim, keepdim=True))
+    return (int8_codes(xf, s) * s).to(x.dtype)
 
 
 def _norm_axis(fn: str, t: torch.Tensor, axis: int) -> int:
@@ -122,7 +191,7 @@ def _quantize_op(x: torch.Tensor, scale: torch.Tensor, axis: int) -> torch.Tenso
     s = scale.to(device=x.device, dtype=torch.float32).view(
         _bshape(x.dim(), axis, x.shape[axis])
     )
-    return torch.clamp(torch.round(x.float() / s), INT8_MIN, INT8_MAX).to(torch.int8)
+    return int8_codes(x, s).to(torch.int8)
 
 
 @_quantize_op.register_fake

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export TORCH_DEVICE_BACKEND_AUTOLOAD=0
-for name in $(python -c "from ascend_fa.cli.bench import _bench_modules; print(' '.join(m.NAME for m in _bench_modules()))"); do
+for name in $(python -c "from ascend_fa.benchmarks import benchmark_names; print(' '.join(benchmark_names()))"); do
   echo "== ascend-fa bench $name --quick"
   ascend-fa bench "$name" --quick
 done

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Lint: ruff over the three layers, the tests and the benchmarks.
+# Lint: ruff (rules and one formatting dialect) over the three layers, the tests
+# and the README's Python snippets; then the layering rules of the architecture.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ruff check ascend_fa backends atb_ops tests
+ruff check .
+ruff format --check .

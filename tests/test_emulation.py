@@ -121,8 +121,9 @@ def _fake_quant_attention(module, query, key, value, attention_mask, **kwargs):
         sc = st["scales"][layer]
 
     def fq(x, s):
-        return dequantize_per_head(quantize_per_head(x, s, axis=1), s, axis=1,
-                                   dtype=x.dtype)
+        return dequantize_per_head(
+            quantize_per_head(x, s, axis=1), s, axis=1, dtype=x.dtype
+        )
 
     key, value = fq(key, sc["k"]), fq(value, sc["v"])
     if st["mode"] == "faquant":
@@ -179,8 +180,13 @@ def test_float_mode_through_hf_generate(model):
     with enable_paged_int8_attention(model, mode="float", block_size=16) as rt:
         with torch.no_grad():
             got = model(input_ids=ids).logits  # empty HF cache: a new prefill
-            out = model.generate(ids, max_new_tokens=8, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                ids,
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert rt.cache.seq_len(rt._seq_ids[0]) == 20 + 7
         gen = rt.generate(ids, 8)
     assert (got - want).abs().max().item() <= FLOAT_ATOL
@@ -201,8 +207,9 @@ def test_int8_dynamic_matches_fake_quant_reference(model, mode):
             # Layer 0 sees identical K/V; later layers inherit fp32 summation-order
             # noise from the layers before, so their absmax may move by an ulp.
             tol = 0.0 if layer == 0 else 1e-5
-            torch.testing.assert_close(sc[n], _REF_STATE["dyn"][layer][n],
-                                       rtol=tol, atol=0)
+            torch.testing.assert_close(
+                sc[n], _REF_STATE["dyn"][layer][n], rtol=tol, atol=0
+            )
     # Quantization is not a no-op here: the float model differs by far more.
     plain = _plain_steps(model, ids, 5)
     assert max((a - b).abs().max().item() for a, b in zip(got, plain)) > 50 * INT8_ATOL
@@ -217,8 +224,10 @@ def _static_map(model, shrink: float = 0.7):
         ]
         names = list(rt.layer_names)
     smap = {
-        name: {f"fa_{n}": (t, torch.zeros(t.shape, dtype=torch.int8))
-               for n, t in sc.items()}
+        name: {
+            f"fa_{n}": (t, torch.zeros(t.shape, dtype=torch.int8))
+            for n, t in sc.items()
+        }
         for name, sc in zip(names, per_layer)
     }
     return smap, per_layer
@@ -266,7 +275,7 @@ def test_generate_greedy_equals_stepwise_argmax():
         for i in range(6):
             assert torch.equal(step[:, -1].argmax(-1), out[:, 12 + i])
             if i < 5:
-                step = rt.forward(out[:, 12 + i: 13 + i])
+                step = rt.forward(out[:, 12 + i : 13 + i])
         assert step.shape == (2, 1, VOCAB)
     assert out.shape == (2, 18)
     assert torch.equal(out[:, :12], ids)
@@ -292,8 +301,9 @@ def test_cache_growth_equals_fixed_cache():
         assert rt.cache.num_blocks == 4  # 2 sequences x 2 blocks of 32
         grown = _paged_steps(rt, ids, 26)  # 66 tokens: 3 blocks each, regrown
         assert rt.cache.num_blocks == 8
-    with enable_paged_int8_attention(model, mode="int8_kv", block_size=32,
-                                     num_blocks=8) as rt:
+    with enable_paged_int8_attention(
+        model, mode="int8_kv", block_size=32, num_blocks=8
+    ) as rt:
         fixed = _paged_steps(rt, ids, 26)
         assert rt.cache.num_blocks == 8
     for a, b in zip(grown, fixed):
@@ -406,12 +416,21 @@ def test_rejects_bad_arguments(kwargs, match):
 
 def test_rejects_head_width_the_nz_cache_cannot_hold():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = LlamaForCausalLM(cfg).eval()
-    with pytest.raises(ValueError, match=r"Hkv\*D = 2\*8 = 16 is not a multiple "
-                       r"of C0 = 32"):
+    with pytest.raises(
+        ValueError,
+        match=r"Hkv\*D = 2\*8 = 16 is not a multiple "
+        r"of C0 = 32",
+    ):
         enable_paged_int8_attention(model, mode="int8_kv")
     enable_paged_int8_attention(model, mode="float", block_size=16).remove()
 
@@ -422,8 +441,11 @@ def test_rejects_bad_scale_maps(tmp_path):
     name = "model.layers.1.self_attn"
     bad = {k: dict(v) for k, v in smap.items()}
     bad[name]["fa_k"] = torch.ones(3)
-    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.fa_k\.scale has 3 "
-                       r"heads, the model has 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers\.1\.self_attn\.fa_k\.scale has 3 "
+        r"heads, the model has 2",
+    ):
         enable_paged_int8_attention(model, scales=bad)
     bad = {k: dict(v) for k, v in smap.items()}
     del bad[name]["fa_q"]
@@ -431,8 +453,9 @@ def test_rejects_bad_scale_maps(tmp_path):
         enable_paged_int8_attention(model, mode="faquant", scales=bad)
     enable_paged_int8_attention(model, mode="int8_kv", scales=bad).remove()
     bad = {k: v for k, v in smap.items() if k != name}
-    with pytest.raises(ValueError, match="no entry for attention module "
-                       "'model.layers.1.self_attn'"):
+    with pytest.raises(
+        ValueError, match="no entry for attention module 'model.layers.1.self_attn'"
+    ):
         enable_paged_int8_attention(model, scales=bad)
     bad = {k: dict(v) for k, v in smap.items()}
     bad[name]["fa_v"] = (smap[name]["fa_v"][0], torch.ones(2, dtype=torch.int8))
@@ -449,8 +472,7 @@ def test_rejects_bad_scale_maps(tmp_path):
     for attn in smap:
         for branch, heads in (("fa_q", 4), ("fa_k", 1), ("fa_v", 2)):
             tensors[f"{attn}.{branch}.scale"] = torch.full((heads, 1), 0.1)
-            tensors[f"{attn}.{branch}.offset"] = torch.zeros(heads, 1,
-                                                             dtype=torch.int8)
+            tensors[f"{attn}.{branch}.offset"] = torch.zeros(heads, 1, dtype=torch.int8)
     save_file(tensors, str(tmp_path / "quant_model_weights.safetensors"))
     (tmp_path / "quant_model_description.json").write_text(json.dumps({}))
     with pytest.raises(ValueError, match=r"fa_k\.scale has 1 heads, the model has 2"):
@@ -482,10 +504,18 @@ def test_rejects_bad_steps():
 
 def test_rejects_sliding_window_overflow():
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, use_sliding_window=True,
-                      sliding_window=16, max_window_layers=0)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     with enable_paged_int8_attention(model, block_size=32) as rt:
         rt.forward(_ids(1, 16), new_sequence=True)
@@ -496,7 +526,7 @@ def test_rejects_sliding_window_overflow():
 # -- the real model -------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_int8_kv_greedy_matches_float():
-    from ascend_fa.cli.emulate import DEFAULT_PROMPT, compare, greedy_plain
+    from ascend_fa.emulation.verb import DEFAULT_PROMPT, compare, greedy_plain
     from ascend_fa.models import ModelNotFoundError, load_model
 
     try:
@@ -522,13 +552,16 @@ def _tiny_checkpoint(path: Path) -> list[str]:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ("the a keeper light house sea night storm ship rock lamp she he "
-             "was went to and of in on at by it").split()
+    words = (
+        "the a keeper light house sea night storm ship rock lamp she he "
+        "was went to and of in on at by it"
+    ).split()
     vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]",
-                                   pad_token="[UNK]", eos_token="[UNK]")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", pad_token="[UNK]", eos_token="[UNK]"
+    )
     fast.save_pretrained(path)
     _tiny("llama").save_pretrained(path)
     return words
@@ -539,14 +572,30 @@ def test_cli_emulate_reports_all_modes(tmp_path, capsys):
 
     words = _tiny_checkpoint(tmp_path / "model")
     g = torch.Generator().manual_seed(3)
-    text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (80,),
-                                                          generator=g))
+    text = " ".join(
+        words[int(i)] for i in torch.randint(0, len(words), (80,), generator=g)
+    )
     (tmp_path / "eval.txt").write_text(text)
     out = tmp_path / "result.json"
-    rc = main(["emulate", "--model", str(tmp_path / "model"), "--prompt",
-               "the keeper went to the light house at night", "--max-new-tokens",
-               "6", "--eval-data", str(tmp_path / "eval.txt"), "--window", "32",
-               "--block-size", "32", "--json", str(out)])
+    rc = main(
+        [
+            "emulate",
+            "--model",
+            str(tmp_path / "model"),
+            "--prompt",
+            "the keeper went to the light house at night",
+            "--max-new-tokens",
+            "6",
+            "--eval-data",
+            str(tmp_path / "eval.txt"),
+            "--window",
+            "32",
+            "--block-size",
+            "32",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "greedy match" in printed and "faquant" in printed

@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import math
 
+import builders
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from builders import byte_tokenizer
 from safetensors.torch import save_file
 
 from ascend_fa import evaluation as ev
 from ascend_fa.adapters import get_adapter
+from ascend_fa.artifact import fa_tensors
 from ascend_fa.calibration import FA3Processor, FA3QuantConfig, find_fa_modules
-from ascend_fa.calibration_search import SearchConfig
+from ascend_fa.calibration import methods as cm
+from ascend_fa.calibration.search import SearchConfig
 from ascend_fa.cli import main
-from ascend_fa.export import fa_tensors
 
 ATTN = [f"model.layers.{i}.self_attn" for i in range(2)]
 TEXTS = [
@@ -30,30 +33,13 @@ TEXTS = [
 ]
 
 
-def byte_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {c: i for i, c in enumerate(alphabet)}
-    vocab.update({"<pad>": 256, "</s>": 257})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
-
-
 def tiny_llama(seed: int = 0, head_gains: bool = False):
     """hidden 64, 2 layers, 4 query heads, 2 KV heads (head_dim 16).
 
     ``head_gains`` multiplies each head's q/k/v projection rows by very different
     factors, so per-head ranges differ by orders of magnitude.
     """
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=260, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.config._attn_implementation = "sdpa"
+    model = builders.tiny_llama(seed)
     if head_gains:
         with torch.no_grad():
             for layer in model.model.layers:
@@ -77,16 +63,17 @@ def windows(tok):
 
 
 def minmax_scales(model, tok):
-    m = ev.MethodSpec("minmax", FA3QuantConfig(method="minmax"))
-    return ev.calibrate_methods(model, tok, TEXTS, [m], max_length=64)["minmax"]
+    m = cm.MethodSpec("minmax", FA3QuantConfig(method="minmax"))
+    return cm.calibrate_methods(model, tok, TEXTS, [m], max_length=64)["minmax"]
 
 
 # -------------------------------------------------------------- structure
 def test_structure_and_float_control_is_exact(tok, windows):
     model = tiny_llama()
     scales = minmax_scales(model, tok)
-    res = ev.evaluate(model, windows, {"float": "float", "mm": scales,
-                                       "dyn": "dynamic"}, batch_size=2)
+    res = ev.evaluate(
+        model, windows, {"float": "float", "mm": scales, "dyn": "dynamic"}, batch_size=2
+    )
     assert list(res) == ["float", "mm", "dyn"]
     tokens = sum(w.numel() - 1 for w in windows)
     for r in res.values():
@@ -116,17 +103,23 @@ def test_matches_hand_computed_reference(tok, windows):
     res = ev.evaluate(model, windows, {"mm": scales})["mm"]
 
     captured: dict[str, list[torch.Tensor]] = {}
-    hooks = [model.get_submodule(n).register_forward_hook(
-        lambda _m, _a, out, n=n: captured.setdefault(n, []).append(
-            out[0].detach().double())) for n in ATTN]
+    hooks = [
+        model.get_submodule(n).register_forward_hook(
+            lambda _m, _a, out, n=n: captured.setdefault(n, []).append(
+                out[0].detach().double()
+            )
+        )
+        for n in ATTN
+    ]
 
     def run():
         nll, count = 0.0, 0
         with torch.no_grad():
             for w in windows:
                 logits = model(input_ids=w[None], use_cache=False).logits[0]
-                nll += float(F.cross_entropy(logits[:-1].double(), w[1:],
-                                             reduction="sum"))
+                nll += float(
+                    F.cross_entropy(logits[:-1].double(), w[1:], reduction="sum")
+                )
                 count += w.numel() - 1
         return math.exp(nll / count)
 
@@ -154,8 +147,10 @@ def test_matches_hand_computed_reference(tok, windows):
 
 
 def test_dynamic_fake_quant_matches_naive_loop(rng):
-    x = torch.randn(2, 3, 5, 8, generator=rng) * torch.tensor([1e-3, 1.0, 50.0])[
-        None, :, None, None]
+    x = (
+        torch.randn(2, 3, 5, 8, generator=rng)
+        * torch.tensor([1e-3, 1.0, 50.0])[None, :, None, None]
+    )
     x[1, 2, 4] = 0.0  # an all-zero token: scale floors at 2**-23, codes are 0
     got = ev.DynamicFakeQuant("fa_q", 3)(x)
     ref = torch.empty_like(x)
@@ -173,11 +168,12 @@ def test_dynamic_fake_quant_matches_naive_loop(rng):
 
 def test_dynamic_beats_per_head_beats_per_tensor_on_unequal_heads(tok, windows):
     model = tiny_llama(2, head_gains=True)
-    methods = [ev.MethodSpec("per-head", FA3QuantConfig(method="minmax")),
-               ev.MethodSpec("per-tensor", FA3QuantConfig(method="minmax"),
-                             per_tensor=True),
-               ev.MethodSpec("dynamic", dynamic=True)]
-    specs = ev.calibrate_methods(model, tok, TEXTS, methods, max_length=64)
+    methods = [
+        cm.MethodSpec("per-head", FA3QuantConfig(method="minmax")),
+        cm.MethodSpec("per-tensor", FA3QuantConfig(method="minmax"), per_tensor=True),
+        cm.MethodSpec("dynamic", dynamic=True),
+    ]
+    specs = cm.calibrate_methods(model, tok, TEXTS, methods, max_length=64)
     assert specs["dynamic"] == "dynamic"
     res = ev.evaluate(model, windows, specs)
     d, h, t = res["dynamic"], res["per-head"], res["per-tensor"]
@@ -186,8 +182,9 @@ def test_dynamic_beats_per_head_beats_per_tensor_on_unequal_heads(tok, windows):
     # One scale per tensor really is one scale: the largest per-head one.
     for name, entry in specs["per-tensor"].items():
         for b, (s, off) in entry.items():
-            assert torch.equal(s, torch.full_like(s, float(
-                specs["per-head"][name][b][0].max())))
+            assert torch.equal(
+                s, torch.full_like(s, float(specs["per-head"][name][b][0].max()))
+            )
             assert torch.equal(off, torch.zeros_like(off))
 
 
@@ -195,15 +192,22 @@ def test_calibrate_methods_one_pass_matches_processor(tok):
     """The single-pass fan-out gives the very scales FA3Processor computes."""
     model = tiny_llama(3)
     cfg = FA3QuantConfig()
-    specs = ev.calibrate_methods(
-        model, tok, TEXTS, [ev.MethodSpec("rw", cfg),
-                            ev.MethodSpec("search", cfg, search=SearchConfig(
-                                rows=4, tokens=64))], max_length=64)
+    specs = cm.calibrate_methods(
+        model,
+        tok,
+        TEXTS,
+        [
+            cm.MethodSpec("rw", cfg),
+            cm.MethodSpec("search", cfg, search=SearchConfig(rows=4, tokens=64)),
+        ],
+        max_length=64,
+    )
     from ascend_fa.calibration import Recipe
-    from ascend_fa.cli.calibrate import calibrate_model
+    from ascend_fa.calibration.pipeline import calibrate_model
 
-    procs, adapter, _ = calibrate_model(model, tok, TEXTS, recipe=Recipe(
-        processors=[cfg]), max_length=64, batch_size=4)
+    procs, adapter, _ = calibrate_model(
+        model, tok, TEXTS, recipe=Recipe(processors=[cfg]), max_length=64, batch_size=4
+    )
     want = procs[0].export_scales(model)
     procs[0].remove(model, adapter)
     for name in ATTN:
@@ -211,8 +215,12 @@ def test_calibrate_methods_one_pass_matches_processor(tok):
             assert torch.equal(specs["rw"][name][b][0], want[name][b][0])
             # the search only ever picks grid multiples of the start
             ratio = specs["search"][name][b][0] / want[name][b][0]
-            assert all(any(math.isclose(float(r), g, rel_tol=1e-6)
-                           for g in SearchConfig().grid) for r in ratio)
+            assert all(
+                any(
+                    math.isclose(float(r), g, rel_tol=1e-6) for g in SearchConfig().grid
+                )
+                for r in ratio
+            )
 
 
 # --------------------------------------------------------------- artifacts
@@ -246,12 +254,18 @@ def test_bad_inputs(tok, windows, tmp_path):
     bad = {n: dict(e) for n, e in scales.items()}
     s, o = bad[ATTN[0]]["fa_k"]
     bad[ATTN[0]]["fa_k"] = (torch.cat([s, s]), torch.cat([o, o]))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.fa_k\.scale "
-                       r"has shape \(4,\) but the model's fa_k has 2 heads"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.self_attn\.fa_k\.scale "
+        r"has shape \(4,\) but the model's fa_k has 2 heads",
+    ):
         ev.evaluate(model, windows, {"bad": bad})
     other = {"model.layers.7.self_attn": scales[ATTN[0]]}
-    with pytest.raises(ValueError, match=r"model\.layers\.7\.self_attn\.fa_q\.scale: "
-                       "the model has no attention module"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.7\.self_attn\.fa_q\.scale: "
+        "the model has no attention module",
+    ):
         ev.evaluate(model, windows, {"bad": other})
     zero = {ATTN[0]: dict(scales[ATTN[0]], fa_v=(torch.zeros(2), o))}
     with pytest.raises(ValueError, match=r"fa_v\.scale must be finite and > 0"):
@@ -284,14 +298,16 @@ def test_token_windows(tok):
     w = ev.token_windows(tok, "x" * 250, window=100)
     assert [t.numel() for t in w] == [100, 100]  # 50-token tail < min_last 64
     assert torch.equal(torch.cat(w), ids[:200])
-    assert [t.numel() for t in ev.token_windows(tok, "x" * 250, window=100,
-                                                min_last=10)] == [100, 100, 50]
-    assert [t.numel() for t in ev.token_windows(tok, "x" * 250, window=100,
-                                                max_tokens=120)] == [100]
+    assert [
+        t.numel() for t in ev.token_windows(tok, "x" * 250, window=100, min_last=10)
+    ] == [100, 100, 50]
+    assert [
+        t.numel() for t in ev.token_windows(tok, "x" * 250, window=100, max_tokens=120)
+    ] == [100]
 
 
 def test_packaged_eval_sets_are_held_out():
-    from ascend_fa.calib_data import load_calib_texts
+    from ascend_fa.calibration.data import load_calib_texts
 
     calib = "\n".join(load_calib_texts())
     for name in ev.EVAL_SETS:
@@ -318,8 +334,21 @@ def test_cli_artifact_and_compare(model_dir, tok, tmp_path, capsys):
     calib = tmp_path / "calib.jsonl"
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 2))
     out = tmp_path / "r.json"
-    rc = main(["eval", "--model", str(model_dir), "--artifact", str(art),
-               "--data", str(data), "--window", "64", "--json", str(out)])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--artifact",
+            str(art),
+            "--data",
+            str(data),
+            "--window",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "artifact art" in text and "dynamic per-token-per-head" in text
@@ -327,15 +356,33 @@ def test_cli_artifact_and_compare(model_dir, tok, tmp_path, capsys):
     payload = json.loads(out.read_text())
     r = payload["results"]["held"]["artifact art"]
     assert set(r["layers"]) == set(ATTN) and 0.9 < r["mean_attention_output_cosine"]
-    rc = main(["eval", "--model", str(model_dir), "--compare-methods",
-               "--calib-data", str(calib), "--num-samples", "6", "--max-length",
-               "48", "--data", str(data), "--window", "64", "--json", str(out)])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model_dir),
+            "--compare-methods",
+            "--calib-data",
+            str(calib),
+            "--num-samples",
+            "6",
+            "--max-length",
+            "48",
+            "--data",
+            str(data),
+            "--window",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
-    for m in ev.default_methods(1 << 20):
+    for m in cm.default_methods(1 << 20):
         assert m.name in text
     assert len(json.loads(out.read_text())["results"]["held"]) == len(
-        ev.default_methods(1))
+        cm.default_methods(1)
+    )
 
 
 def test_cli_errors(model_dir, tmp_path, capsys):
@@ -350,21 +397,28 @@ def test_cli_errors(model_dir, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_search_and_dynamic():
     pytest.importorskip("gguf")
-    from ascend_fa.calib_data import load_calib_texts
+    from ascend_fa.calibration.data import load_calib_texts
     from ascend_fa.models import ModelNotFoundError, load_model
 
     try:
         lm = load_model()
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
-    calib = ev.calibration_split(load_calib_texts(), 4)
+    calib = cm.calibration_split(load_calib_texts(), 4)
     cfg = FA3QuantConfig()
-    specs = ev.calibrate_methods(lm.model, lm.tokenizer, calib, [
-        ev.MethodSpec("default", cfg),
-        ev.MethodSpec("search", cfg, search=SearchConfig(rows=4, tokens=128)),
-        ev.MethodSpec("dynamic", dynamic=True)])
-    win = ev.token_windows(lm.tokenizer, ev.load_eval_text("prose"), window=128,
-                           max_tokens=128)
+    specs = cm.calibrate_methods(
+        lm.model,
+        lm.tokenizer,
+        calib,
+        [
+            cm.MethodSpec("default", cfg),
+            cm.MethodSpec("search", cfg, search=SearchConfig(rows=4, tokens=128)),
+            cm.MethodSpec("dynamic", dynamic=True),
+        ],
+    )
+    win = ev.token_windows(
+        lm.tokenizer, ev.load_eval_text("prose"), window=128, max_tokens=128
+    )
     res = ev.evaluate(lm.model, win, specs)
     assert len(res["default"].layer_cosine) == 30
     for r in res.values():

@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from builders import scale_map
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ascend_fa import export
-from ascend_fa.cli.inspect import inspect_artifact
-from ascend_fa.export import (
+from ascend_fa import artifact as export
+from ascend_fa.artifact import (
     DESCRIPTION_FILE,
     FA_WEIGHTS_NAME,
     WEIGHTS_INDEX_NAME,
@@ -21,6 +21,7 @@ from ascend_fa.export import (
     checkpoint_state_dict,
     export_artifact,
     fa_tensors,
+    inspect_artifact,
     merge_into,
     parse_size,
     read_fa_scales,
@@ -30,13 +31,7 @@ ATTN = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
 
 
 def make_scales(heads=(6, 2, 2), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        a: {b: (torch.rand(h, generator=g) * 0.1 + 1e-3,
-                torch.zeros(h, dtype=torch.int8))
-            for b, h in zip(("fa_q", "fa_k", "fa_v"), heads)}
-        for a in ATTN
-    }
+    return scale_map(ATTN, heads, seed)
 
 
 def make_state(seed=0):
@@ -45,7 +40,8 @@ def make_state(seed=0):
     for i in range(2):
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             sd[f"model.layers.{i}.self_attn.{p}.weight"] = torch.randn(
-                16, 16, generator=g)
+                16, 16, generator=g
+            )
     sd["model.norm.weight"] = torch.ones(16)
     return sd
 
@@ -83,12 +79,18 @@ def test_description_entries():
 
 def test_round_trip_bit_equal(tmp_path):
     scales, sd = make_scales(), make_state()
-    out = export_artifact(tmp_path / "art", state_dict=sd, scales=scales,
-                          fa_quant_type="FAQuant", config={"model_type": "llama"},
-                          report={"x": 1})
+    out = export_artifact(
+        tmp_path / "art",
+        state_dict=sd,
+        scales=scales,
+        fa_quant_type="FAQuant",
+        config={"model_type": "llama"},
+        report={"x": 1},
+    )
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(["config.json", DESCRIPTION_FILE, WEIGHTS_NAME,
-                            "calibration_report.json"])
+    assert names == sorted(
+        ["config.json", DESCRIPTION_FILE, WEIGHTS_NAME, "calibration_report.json"]
+    )
     back = read_fa_scales(out)
     assert back.keys() == scales.keys()
     for a in scales:
@@ -111,8 +113,13 @@ def test_round_trip_bit_equal(tmp_path):
 
 def test_sharding_and_index(tmp_path):
     sd = make_state()
-    out = export_artifact(tmp_path / "art", state_dict=sd, scales=make_scales(),
-                          fa_quant_type="FAQuant", max_shard_size="2KB")
+    out = export_artifact(
+        tmp_path / "art",
+        state_dict=sd,
+        scales=make_scales(),
+        fa_quant_type="FAQuant",
+        max_shard_size="2KB",
+    )
     index = json.loads((out / WEIGHTS_INDEX_NAME).read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and not (out / WEIGHTS_NAME).exists()
@@ -147,17 +154,26 @@ def test_parse_size():
 
 def test_tied_weights_skipped(tmp_path):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     sd = checkpoint_state_dict(model, torch.bfloat16)
     assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
     assert all(t.dtype == torch.bfloat16 for t in sd.values())
     # safetensors accepts it (no shared storage left)
-    export_artifact(tmp_path / "a", state_dict=sd, scales=make_scales((2, 2, 2)),
-                    fa_quant_type="FAQuant")
+    export_artifact(
+        tmp_path / "a",
+        state_dict=sd,
+        scales=make_scales((2, 2, 2)),
+        fa_quant_type="FAQuant",
+    )
     # untied model keeps lm_head; an aliased non-tied tensor is cloned
     cfg.tie_word_embeddings = False
     model = transformers.LlamaForCausalLM(cfg)
@@ -172,9 +188,14 @@ def test_read_accepts_head_dim_expanded_scales(tmp_path):
     d = tmp_path / "ms"
     d.mkdir()
     q = torch.tensor([0.5, 0.25]).repeat_interleave(8).view(2, 8).half()
-    tensors = {"m.fa_q.scale": q, "m.fa_q.offset": torch.zeros(2, 8).half(),
-               "m.fa_k.scale": q[:1].float(), "m.fa_k.offset": torch.zeros(1, 8),
-               "m.fa_v.scale": q[:1, :1].float(), "m.fa_v.offset": torch.zeros(1, 1)}
+    tensors = {
+        "m.fa_q.scale": q,
+        "m.fa_q.offset": torch.zeros(2, 8).half(),
+        "m.fa_k.scale": q[:1].float(),
+        "m.fa_k.offset": torch.zeros(1, 8),
+        "m.fa_v.scale": q[:1, :1].float(),
+        "m.fa_v.offset": torch.zeros(1, 1),
+    }
     save_file(tensors, str(d / "quant_model_weight_w8a8.safetensors"))
     s = read_fa_scales(d)
     assert torch.equal(s["m"]["fa_q"][0], torch.tensor([0.5, 0.25]))
@@ -202,14 +223,21 @@ def _msmodelslim_dir(path, sharded=False):
         for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
             n = f"{a}.{p}"
             tensors[f"{n}.weight"] = torch.randint(
-                -128, 127, (16, 16), dtype=torch.int8, generator=g)
+                -128, 127, (16, 16), dtype=torch.int8, generator=g
+            )
             tensors[f"{n}.input_scale"] = torch.rand(1, generator=g).half()
             tensors[f"{n}.input_offset"] = torch.zeros(1).half()
-            tensors[f"{n}.quant_bias"] = torch.randint(-9, 9, (16,), dtype=torch.int32,
-                                                       generator=g)
+            tensors[f"{n}.quant_bias"] = torch.randint(
+                -9, 9, (16,), dtype=torch.int32, generator=g
+            )
             tensors[f"{n}.deq_scale"] = torch.rand(16, generator=g)
-            for k in ("weight", "input_scale", "input_offset", "quant_bias",
-                      "deq_scale"):
+            for k in (
+                "weight",
+                "input_scale",
+                "input_offset",
+                "quant_bias",
+                "deq_scale",
+            ):
                 desc[f"{n}.{k}"] = "W8A8"
     if sharded:
         names = sorted(tensors)
@@ -219,13 +247,17 @@ def _msmodelslim_dir(path, sharded=False):
             f = f"quant_model_weights-0000{i}-of-00002.safetensors"
             save_file({k: tensors[k] for k in part}, str(path / f))
             wm.update(dict.fromkeys(part, f))
-        (path / WEIGHTS_INDEX_NAME).write_text(json.dumps(
-            {"metadata": {"total_size": 123}, "weight_map": wm}))
+        (path / WEIGHTS_INDEX_NAME).write_text(
+            json.dumps({"metadata": {"total_size": 123}, "weight_map": wm})
+        )
     else:
         save_file(tensors, str(path / "quant_model_weight_w8a8.safetensors"))
     (path / DESCRIPTION_FILE).write_text(json.dumps(desc, indent=1))
-    (path / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "quantization_config": {"quant_method": "w8a8"}}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {"model_type": "llama", "quantization_config": {"quant_method": "w8a8"}}
+        )
+    )
     (path / "tokenizer.json").write_text("{}")
     return tensors, desc
 
@@ -241,12 +273,18 @@ def test_merge_into_keeps_every_entry_and_byte(tmp_path, sharded):
     before = _digests(src)
     assert inspect_artifact(src)["valid"]
     scales = make_scales()
-    out = merge_into(src, scales=scales, fa_quant_type="FAQuant",
-                     output=tmp_path / "merged", report={"r": 1})
+    out = merge_into(
+        src,
+        scales=scales,
+        fa_quant_type="FAQuant",
+        output=tmp_path / "merged",
+        report={"r": 1},
+    )
     assert _digests(src) == before  # source untouched
     after = _digests(out)
-    changed = {DESCRIPTION_FILE, "config.json"} | ({WEIGHTS_INDEX_NAME} if sharded
-                                                   else set())
+    changed = {DESCRIPTION_FILE, "config.json"} | (
+        {WEIGHTS_INDEX_NAME} if sharded else set()
+    )
     for name, digest in before.items():
         if name not in changed:
             assert after[name] == digest, name  # existing weights byte for byte
@@ -263,8 +301,9 @@ def test_merge_into_keeps_every_entry_and_byte(tmp_path, sharded):
     assert cfg["quantization_config"]["fa_quant_type"] == "FAQuant"
     if sharded:
         idx = json.loads((out / WEIGHTS_INDEX_NAME).read_text())
-        assert idx["weight_map"]["model.layers.1.self_attn.fa_v.offset"] == \
-            FA_WEIGHTS_NAME
+        assert (
+            idx["weight_map"]["model.layers.1.self_attn.fa_v.offset"] == FA_WEIGHTS_NAME
+        )
         assert idx["metadata"]["total_size"] == 123 + 2 * (10 * 4 + 10)
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
@@ -304,8 +343,9 @@ def test_output_exists_refused_unless_overwrite(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("old")
     kw = dict(state_dict=make_state(), scales=make_scales(), fa_quant_type="FAQuant")
-    with pytest.raises(FileExistsError, match="exists and is not empty; pass "
-                       "--overwrite"):
+    with pytest.raises(
+        FileExistsError, match="exists and is not empty; pass --overwrite"
+    ):
         export_artifact(out, **kw)
     assert (out / "keep.txt").read_text() == "old"
     export_artifact(out, overwrite=True, **kw)
@@ -330,11 +370,16 @@ def test_write_failure_leaves_nothing_behind(tmp_path, monkeypatch, existing):
             raise OSError(28, "No space left on device")
         save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(export, "save_file", failing_save)
+    monkeypatch.setattr(export.writer, "save_file", failing_save)
     with pytest.raises(OSError, match="No space left"):
-        export_artifact(out, state_dict=make_state(), scales=make_scales(),
-                        fa_quant_type="FAQuant", max_shard_size="2KB",
-                        overwrite=existing)
+        export_artifact(
+            out,
+            state_dict=make_state(),
+            scales=make_scales(),
+            fa_quant_type="FAQuant",
+            max_shard_size="2KB",
+            overwrite=existing,
+        )
     assert len(calls) == 2  # failed mid-way, after one shard was written
     if existing:
         assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
@@ -345,6 +390,7 @@ def test_write_failure_leaves_nothing_behind(tmp_path, monkeypatch, existing):
 
 def test_empty_scales_refused(tmp_path):
     with pytest.raises(ValueError, match="no FA scales to export"):
-        export_artifact(tmp_path / "a", state_dict=make_state(), scales={},
-                        fa_quant_type="FAQuant")
+        export_artifact(
+            tmp_path / "a", state_dict=make_state(), scales={}, fa_quant_type="FAQuant"
+        )
     assert not (tmp_path / "a").exists()

@@ -373,7 +373,7 @@ def test_load_scales_errors():
         ValueError, match=r"fa_k.scale has shape \(4,\); expected \[2\]"
     ):
         proc.load_scales(model, {"layers.0.self_attn": {"fa_k": (ok, zero)}})
-    with pytest.raises(ValueError, match="differs along the head_dim axis"):
+    with pytest.raises(ValueError, match="varies along head_dim"):
         proc.load_scales(
             model, {"layers.0.self_attn": {"fa_q": (torch.rand(H, D) + 0.1, zero)}}
         )

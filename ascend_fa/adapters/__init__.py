@@ -14,7 +14,10 @@ model_type        adapter                              fa_quant_type
 
 Every adapter implements ``inject_fa3_placeholders(root_name, root_module,
 should_inject)`` (seed interface), ``remove_fa3_placeholders(root_module)``,
-``attention_modules(root_module, root_name="")`` and carries ``fa_quant_type``.
+``attention_modules(root_module, root_name="")`` and carries ``fa_quant_type``;
+:class:`.base.InjectingAdapter` is the shared base. Everything that touches a live
+transformers model goes through :mod:`.hf` (attention functions registered in
+``AttentionInterface``; FA points swapped with ``set_submodule``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .base import InjectingAdapter, remove_injection
 from .deepseek_v3 import DeepseekV3Adapter
-from .gqa import GQAAdapter, remove_injection
+from .gqa import GQAAdapter
 
 __all__ = [
     "DeepseekV3Adapter",
     "GQAAdapter",
+    "InjectingAdapter",
     "get_adapter",
     "register_adapter",
     "remove_injection",

@@ -12,7 +12,7 @@ R]`` and ``W_UV`` ``[H, v, R]`` are the two row blocks of ``kv_b_proj.weight`` v
 as ``[H, nope + v, R]``.
 
 Transformers computes the non-absorbed form, so the adapter wires the three points
-in without touching ``forward``:
+in without touching ``forward`` (through :mod:`.hf`):
 
 * ``fa_k``/``fa_v``: a forward hook on ``kv_a_layernorm`` sends ``c_kv`` (as one head
   ``[B, 1, S, R]``) through both; the output of ``fa_k`` replaces the latent
@@ -20,7 +20,7 @@ in without touching ``forward``:
   for both K and V (V shares it), so in fake-quant mode the one latent that feeds the
   cache, ``k_nope = W_UK c`` and ``V = W_UV c`` is the ``fa_k``-quantized one;
   ``fa_v`` is observed and exported for completeness of the format.
-* ``fa_q``: the registered attention function (see :mod:`ascend_fa.adapters.gqa`)
+* ``fa_q``: the registered attention function (see :mod:`.base`)
   forms ``q_abs`` from the query it receives and calls ``fa_q``. When ``fa_q``
   returns its input (placeholder, observer) the original attention runs untouched,
   so logits stay bit-equal. When it returns a new tensor (fake-quant), attention is
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .gqa import ATTENTION_HANDLERS, FAContext, _InjectingAdapter
+from .base import ATTENTION_HANDLERS, FAContext, InjectingAdapter, current_token_mask
 
 __all__ = ["DeepseekV3Adapter", "split_kv_b", "absorbed_query"]
 
@@ -66,14 +66,6 @@ def absorbed_query(module: nn.Module, query: torch.Tensor) -> torch.Tensor:
     return torch.matmul(q_nope, w_uk.to(query.dtype))
 
 
-def _current_mask(module: nn.Module, s: int) -> torch.Tensor | None:
-    ctx: FAContext | None = getattr(module, "_ascend_fa_ctx", None)
-    mask = None if ctx is None else ctx.token_mask
-    if mask is None or mask.shape[-1] < s:
-        return None
-    return mask[:, mask.shape[-1] - s:]
-
-
 def _mla_handler(
     module: nn.Module,
     fn: Callable[..., Any],
@@ -85,7 +77,7 @@ def _mla_handler(
 ) -> Any:
     latent = module.__dict__.pop(_LATENT, None)
     q_abs = absorbed_query(module, query)
-    q_out = module.fa_q(q_abs, _current_mask(module, query.shape[2]))
+    q_out = module.fa_q(q_abs, current_token_mask(module, query.shape[2]))
     if q_out is q_abs or latent is None:
         # Observing only: the non-absorbed HF computation is the exact reference.
         return fn(module, query, key, value, attention_mask, **kwargs)
@@ -112,7 +104,7 @@ def _latent_hook(attn: nn.Module) -> Callable[..., Any]:
             return None
         b, s, r = output.shape
         x = output.reshape(b, 1, s, r)
-        mask = _current_mask(attn, s)
+        mask = current_token_mask(attn, s)
         attn.fa_v(x, mask)
         y = attn.fa_k(x, mask)
         return None if y is x else y.reshape(b, s, r)
@@ -128,7 +120,7 @@ def _capture_latent_hook(attn: nn.Module) -> Callable[..., None]:
     return hook
 
 
-class DeepseekV3Adapter(_InjectingAdapter):
+class DeepseekV3Adapter(InjectingAdapter):
     """FAKQuant for DeepSeek-V3/R1 MLA attention modules.
 
     ============  ==========================================  ==============
@@ -146,16 +138,27 @@ class DeepseekV3Adapter(_InjectingAdapter):
     def is_attention(self, module: nn.Module) -> bool:
         return all(
             hasattr(module, a)
-            for a in ("kv_a_layernorm", "kv_b_proj", "kv_lora_rank", "qk_nope_head_dim",
-                      "num_heads", "config")
+            for a in (
+                "kv_a_layernorm",
+                "kv_b_proj",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "num_heads",
+                "config",
+            )
         )
 
     def head_counts(self, module: nn.Module) -> dict[str, tuple[int, int]]:
         r = int(module.kv_lora_rank)
         return {"fa_q": (int(module.num_heads), r), "fa_k": (1, r), "fa_v": (1, r)}
 
-    def _after_inject(self, name: str, module: nn.Module, ctx: FAContext) -> None:
-        module.__dict__["_ascend_fa_handles"] = [
-            module.kv_a_layernorm.register_forward_hook(_latent_hook(module)),
-            module.kv_b_proj.register_forward_pre_hook(_capture_latent_hook(module)),
-        ]
+    def after_inject(self, name: str, module: nn.Module, ctx: FAContext) -> None:
+        self.keep_handles(
+            module,
+            [
+                module.kv_a_layernorm.register_forward_hook(_latent_hook(module)),
+                module.kv_b_proj.register_forward_pre_hook(
+                    _capture_latent_hook(module)
+                ),
+            ],
+        )

@@ -8,8 +8,10 @@ import os
 import resource
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
+
+from ascend_fa.tables import print_table
 
 __all__ = [
     "time_fn",
@@ -56,33 +58,6 @@ def gbps(num_bytes: int, seconds: float) -> float:
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux ru_maxrss is KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def print_table(
-    headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
-) -> str:
-    """Print (and return) a GitHub-markdown table."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        return str(v)
-
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
-        for i, h in enumerate(headers)
-    ]
-    lines = []
-    if title:
-        lines.append(title)
-    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in cells:
-        lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:

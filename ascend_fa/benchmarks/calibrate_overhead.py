@@ -15,10 +15,12 @@ batches of ``--batch-size``, through
   update sorts each head's samples (``recall_window_sort_ref``) — emulated here for
   comparison;
 * **clip search**: the extra time of the attention-output clip search
-  (:mod:`ascend_fa.calibration_search`) on the retained rows, reported on top of
+  (:mod:`ascend_fa.calibration.search`) on the retained rows, reported on top of
   ours.
 
-The three forward variants run interleaved batch by batch (plain, ours, seed) so
+Every variant runs its forwards through the one calibration loop
+(:func:`ascend_fa.calibration.pipeline.run_forwards`), one batch at a time. The
+forward variants run interleaved batch by batch (plain, ours, seed) so
 that load changes on a shared machine hit them alike; each variant's time is the
 sum over batches after one untimed warm-up forward. Ratios are against plain in the
 same run; the goal for ours is <= 1.25x. The scales of ours and of the sort-based
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,9 +42,6 @@ NAME = "calibration-overhead"
 HELP = "calibration wall time (default recipe) vs the same plain forwards; seed's sort"
 
 GOAL = 1.25
-
-#: The recipe ``ascend-fa calibrate`` uses by default.
-PACKAGED_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "default.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +97,7 @@ def _token_ids(tokenizer: Any, vocab: int, n: int, length: int) -> torch.Tensor:
     if tokenizer is None:
         g = torch.Generator().manual_seed(0)
         return torch.randint(0, vocab, (n, length), generator=g)
-    from ascend_fa.calib_data import load_calib_texts
+    from ascend_fa.calibration.data import load_calib_texts
 
     text = "\n\n".join(load_calib_texts())
     ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
@@ -136,6 +134,7 @@ class _SortWindowObserver(nn.Module):
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.adapters import get_adapter
+    from ascend_fa.adapters.hf import set_point
     from ascend_fa.atb_ops import per_head_qparams
     from ascend_fa.calibration import (
         FA_BRANCHES,
@@ -145,13 +144,18 @@ def run(args: argparse.Namespace) -> int:
         find_fa_modules,
         load_recipe,
     )
-    from ascend_fa.calibration_search import (
+    from ascend_fa.calibration.job import default_recipe_path
+    from ascend_fa.calibration.pipeline import (
+        run_forwards,
+        samples_bound,
+        tighten_max_samples,
+    )
+    from ascend_fa.calibration.search import (
         KeepingObserver,
         SampleKeeper,
         SearchConfig,
         search_scales,
     )
-    from ascend_fa.cli.calibrate import samples_bound, tighten_max_samples
 
     n = args.num_samples or (4 if args.quick else 32)
     length = args.seq_len or (128 if args.quick else 512)
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     probe.preprocess(model, adapter)
     bound = samples_bound(find_fa_modules(model), n, length)
     adapter.remove_fa3_placeholders(model)
-    (packaged,) = load_recipe(PACKAGED_RECIPE).processors
+    (packaged,) = load_recipe(default_recipe_path()).processors
     packaged = tighten_max_samples(packaged, bound)
 
     def attach(
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                     modules[(name, b)] = make(name, b, mod._modules[b])
         for name, mod in find_fa_modules(model).items():
             for b in FA_BRANCHES:
-                mod._modules[b] = modules[(name, b)]
+                set_point(mod, b, modules[(name, b)])
         return modules
 
     keepers: dict[str, dict[str, SampleKeeper]] = {}
@@ -222,24 +226,24 @@ def run(args: argparse.Namespace) -> int:
         model(input_ids=batches[0], use_cache=False, logits_to_keep=1)  # warm-up
         for batch in batches:
             t = time.perf_counter()
-            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            run_forwards(model, [{"input_ids": batch}])
             times["plain"] += time.perf_counter() - t
 
             t = time.perf_counter()
             ours_mods = attach(ours_mods, make_ours)
-            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            run_forwards(model, [{"input_ids": batch}])
             adapter.remove_fa3_placeholders(model)
             times["ours"] += time.perf_counter() - t
 
             t = time.perf_counter()
             pooled_mods = attach(pooled_mods, lambda _n, _b, obs: obs, packaged)
-            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            run_forwards(model, [{"input_ids": batch}])
             adapter.remove_fa3_placeholders(model)
             times["pooled"] += time.perf_counter() - t
 
             t = time.perf_counter()
             seed_mods = attach(seed_mods, make_seed)
-            model(input_ids=batch, use_cache=False, logits_to_keep=1)
+            run_forwards(model, [{"input_ids": batch}])
             adapter.remove_fa3_placeholders(model)
             times["seed"] += time.perf_counter() - t
         assert ours_mods is not None and seed_mods is not None

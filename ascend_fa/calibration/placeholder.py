@@ -24,10 +24,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["FA3QuantPlaceHolder", "FA3QuantAdapterInterface", "FA_BRANCHES"]
+from ascend_fa.artifact.format import FA_BRANCHES
 
-#: Submodule names of the three injection points, in order.
-FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
+__all__ = ["FA3QuantPlaceHolder", "FA3QuantAdapterInterface", "FA_BRANCHES"]
 
 
 class FA3QuantPlaceHolder(nn.Module):

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascend_fa.adapters.hf import delete_points, fa_points, find_fa_modules, set_point
+from ascend_fa.artifact.format import ScaleMap, fa_tensor_name, per_head_vector
 from ascend_fa.atb_ops import dequantize_per_head, quantize_per_head
 
 from .distributed import all_reduce_observer, is_distributed
@@ -39,9 +41,6 @@ __all__ = [
     "find_fa_modules",
     "ScaleMap",
 ]
-
-#: attention module name -> {"fa_q": (scale [H] fp32, offset [H] int8), ...}
-ScaleMap = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
 
 
 class FA3Observer(nn.Module):
@@ -117,39 +116,12 @@ class FA3FakeQuant(nn.Module):
         return f"branch={self.branch}, num_heads={self.num_heads}"
 
 
-def _join(root_name: str, name: str) -> str:
-    return ".".join(p for p in (root_name, name) if p)
-
-
-def find_fa_modules(model: nn.Module, root_name: str = "") -> dict[str, nn.Module]:
-    """Modules holding ``fa_q``/``fa_k``/``fa_v``: full dotted name -> module."""
-    return {
-        _join(root_name, name): module
-        for name, module in model.named_modules()
-        if any(b in module._modules for b in FA_BRANCHES)
-    }
-
-
 def _normalize_scale(
     name: str, branch: str, t: Any, heads: int | None, what: str
 ) -> torch.Tensor:
-    where = f"load_scales: {name}.{branch}.{what}"
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{where} must be a tensor, got {type(t).__name__}")
-    if t.dim() == 2:
-        # Artifacts store [H, 1]; loaders may have expanded it to [H, head_dim].
-        if not bool((t == t[:, :1]).all()):
-            raise ValueError(
-                f"{where} {tuple(t.shape)} differs along the head_dim "
-                "axis; expected one value per head"
-            )
-        t = t[:, 0]
-    if t.dim() != 1 or (heads is not None and t.shape[0] != heads):
-        raise ValueError(
-            f"{where} has shape {tuple(t.shape)}; expected [{heads}], "
-            f"[{heads}, 1] or [{heads}, head_dim]"
-        )
-    return t
+    return per_head_vector(
+        t, f"load_scales: {fa_tensor_name(name, branch, what)}", heads
+    )
 
 
 class FA3Processor:
@@ -176,10 +148,6 @@ class FA3Processor:
             for n, m in find_fa_modules(model, self._root(root_name)).items()
             if self.config.matches(n)
         }
-
-    @staticmethod
-    def _branches(module: nn.Module) -> list[tuple[str, nn.Module]]:
-        return [(b, module._modules[b]) for b in FA_BRANCHES if b in module._modules]
 
     # ------------------------------------------------------------- stages
     def preprocess(
@@ -214,7 +182,7 @@ class FA3Processor:
         """
         created = []
         for name, module in self._selected(model, root_name).items():
-            for branch, child in self._branches(module):
+            for branch, child in fa_points(module):
                 if not isinstance(child, FA3QuantPlaceHolder):
                     continue  # already observing or fake-quantized
                 s = self.config.branch_settings(branch)
@@ -227,7 +195,7 @@ class FA3Processor:
                     name=f"{name}.{branch}",
                     head_axis=1,
                 )
-                module._modules[branch] = FA3Observer(branch, obs, child.head_dim)
+                set_point(module, branch, FA3Observer(branch, obs, child.head_dim))
                 created.append(f"{name}.{branch}")
         return created
 
@@ -245,7 +213,7 @@ class FA3Processor:
         """
         converted = []
         for name, module in self._selected(model, root_name).items():
-            for branch, child in self._branches(module):
+            for branch, child in fa_points(module):
                 if isinstance(child, FA3QuantPlaceHolder):
                     raise ValueError(
                         f"postprocess: {name}.{branch} is still a placeholder; "
@@ -256,8 +224,8 @@ class FA3Processor:
                 if is_distributed():
                     all_reduce_observer(child.observer, group)
                 scale, offset = child.observer.qparams()
-                module._modules[branch] = FA3FakeQuant(
-                    branch, scale, offset, child.head_dim
+                set_point(
+                    module, branch, FA3FakeQuant(branch, scale, offset, child.head_dim)
                 )
                 converted.append(f"{name}.{branch}")
         return converted
@@ -310,8 +278,12 @@ class FA3Processor:
                 heads = getattr(child, "num_heads", None)
                 scale = _normalize_scale(name, branch, scale, heads, "scale")
                 offset = _normalize_scale(name, branch, offset, heads, "offset")
-                module._modules[branch] = FA3FakeQuant(
-                    branch, scale, offset, getattr(child, "head_dim", None)
+                set_point(
+                    module,
+                    branch,
+                    FA3FakeQuant(
+                        branch, scale, offset, getattr(child, "head_dim", None)
+                    ),
                 )
                 loaded.append(f"{name}.{branch}")
         return loaded
@@ -324,7 +296,7 @@ class FA3Processor:
         return {
             f"{name}.{branch}": child.observer.state_dict()
             for name, module in self._selected(model, root_name).items()
-            for branch, child in self._branches(module)
+            for branch, child in fa_points(module)
             if isinstance(child, FA3Observer)
         }
 
@@ -335,7 +307,7 @@ class FA3Processor:
         points = {
             f"{name}.{branch}": child
             for name, module in self._selected(model, root_name).items()
-            for branch, child in self._branches(module)
+            for branch, child in fa_points(module)
         }
         for key, sd in state.items():
             child = points.get(key)
@@ -360,6 +332,4 @@ class FA3Processor:
         )
         if cleanup is not None:
             cleanup(model)
-        for module in model.modules():
-            for branch in FA_BRANCHES:
-                module._modules.pop(branch, None)
+        delete_points(model)

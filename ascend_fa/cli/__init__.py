@@ -1,26 +1,41 @@
-"""The ``ascend-fa`` command line.
+"""The ``ascend-fa`` command line: a thin shell over the library's verbs.
 
 Every module in this package that defines ``COMMAND`` is a subcommand: it provides
 
 * ``COMMAND: str`` — the subcommand name;
 * ``HELP: str`` — one line for ``ascend-fa --help``;
 * ``add_arguments(parser: argparse.ArgumentParser) -> None``;
-* ``run(args: argparse.Namespace) -> int`` — the exit status.
+* ``run(args: argparse.Namespace) -> int`` — parse nothing more, call one library
+  function, print its result, return the exit status.
 
-Adding a subcommand is adding one module. Modules import heavy dependencies
-(transformers, safetensors) inside ``run`` so ``ascend-fa --help`` stays fast.
+Adding a subcommand is adding one module. Modules import torch and transformers only
+inside ``run`` so ``ascend-fa --help`` answers at once.
+
+The error contract (one place): the library raises the typed errors of
+:mod:`ascend_fa.errors` (and the built-ins they derive from); :func:`main` prints
+one line ``ascend-fa VERB: error: MESSAGE`` on stderr and returns 2 — a traceback
+only with ``-v``/``--debug``. SIGINT prints ``interrupted`` and returns 130, SIGTERM
+the same with 143; the library's ``finally`` blocks have removed their temporary
+files by then.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import pkgutil
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-__all__ = ["main", "build_parser", "CLIError"]
+__all__ = ["main", "build_parser", "CLIError", "Terminated"]
+
+#: Exit status of a run stopped by SIGINT (Ctrl-C) and by SIGTERM (128 + signal).
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
 
 
 class CLIError(Exception):
@@ -31,13 +46,46 @@ class CLIError(Exception):
         self.status = status
 
 
-def _command_modules():
+class Terminated(BaseException):
+    """Raised in the main thread when SIGTERM arrives, so that every ``finally``
+    (temporary directories, resume state) runs before the process exits. Like
+    ``KeyboardInterrupt`` it is not an ``Exception``: library ``except Exception``
+    blocks do not swallow it."""
+
+
+def _command_modules() -> Iterator[Any]:
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
         if hasattr(module, "COMMAND"):
             yield module
+
+
+def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """``-v``/``--debug``/``-q``, accepted before and after the verb (a value given
+    after the verb wins; the verb's parser defaults to "not given")."""
+    default = False if top else argparse.SUPPRESS
+    taken = {s for a in parser._actions for s in a.option_strings}
+    if not taken & {"-v", "--verbose", "--debug"}:
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            "--debug",
+            dest="verbose",
+            action="store_true",
+            default=default,
+            help="debug logging, and tracebacks on errors",
+        )
+    if not taken & {"-q", "--quiet"}:
+        parser.add_argument(
+            "-q",
+            "--quiet",
+            dest="quiet",
+            action="store_true",
+            default=default,
+            help="only warnings and errors; no progress bars",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,33 +99,78 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"ascend-fa {__version__}"
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():
         p = sub.add_parser(module.COMMAND, help=module.HELP, description=module.HELP)
         module.add_arguments(p)
+        _add_common(p, top=False)
         p.set_defaults(_run=module.run)
     return parser
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into :class:`Terminated` for the duration (main thread only)."""
+
+    def handler(_signum: int, _frame: Any) -> None:
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
+    quiet = bool(getattr(args, "quiet", False))
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG
+        if verbose
+        else (logging.WARNING if quiet else logging.INFO),
         format="%(levelname)s %(name)s: %(message)s",
     )
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    prefix = f"ascend-fa {args.command}"
     try:
-        return int(args._run(args) or 0)
+        with _sigterm_raises():
+            return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return EXIT_SIGINT
+    except Terminated:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return EXIT_SIGTERM
     except CLIError as exc:
-        print(f"ascend-fa {args.command}: error: {exc}", file=sys.stderr)
+        if verbose:
+            raise
+        print(f"{prefix}: error: {exc}", file=sys.stderr)
         return exc.status
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
-        print(f"ascend-fa {args.command}: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, ImportError) as exc:
+        # AscendFAError subclasses derive from ValueError / FileNotFoundError /
+        # FileExistsError; other ValueErrors and OSErrors come from argument checks
+        # and the file system. Both are the user's to fix: one line, exit 2.
+        if verbose:
+            raise
+        print(f"{prefix}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
+        text = f"{exc.filename}: {text}"
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,15 +1,12 @@
 """``ascend-fa bench NAME``: the benchmarks in :mod:`ascend_fa.benchmarks`.
 
-Each benchmark module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
-``run(args) -> int``; adding one is adding a module. Every benchmark measures its
-baseline in the same run and prints ratios, never absolute claims.
+Every benchmark measures its baseline in the same run and prints ratios, never
+absolute claims (see :func:`ascend_fa.benchmarks.benchmark_modules`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 
 COMMAND = "bench"
 HELP = (
@@ -17,20 +14,11 @@ HELP = (
 )
 
 
-def _bench_modules():
-    import ascend_fa.benchmarks as pkg
-
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
-        if hasattr(module, "NAME"):
-            yield module
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ascend_fa.benchmarks import benchmark_modules
+
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for module in _bench_modules():
+    for module in benchmark_modules():
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         p.add_argument(
             "--quick",

@@ -45,7 +45,7 @@ function                what it does
 :func:`attention_core`  causal GQA attention of retained rows ``[H, n, D]``
 :func:`search_layer`    the search for one layer -> scales + objective values
 :func:`search_scales`   the search over every layer of a model
-:func:`calibrate_with_search`  drop-in for ``cli.calibrate.calibrate_model``
+:func:`calibrate_with_search`  drop-in for ``pipeline.calibrate_model``
 ======================  =====================================================
 """
 
@@ -60,8 +60,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ascend_fa.atb_ops.constants import INT8_MAX, INT8_MIN, SCALE_EPS
-from ascend_fa.calibration.placeholder import FA_BRANCHES
+from ascend_fa.adapters.hf import find_fa_modules
+from ascend_fa.atb_ops import fake_quant_per_head
+from ascend_fa.atb_ops.constants import INT8_MAX, SCALE_EPS
+
+from .pipeline import CalibratedModel, calibrate_model, progress_bar
+from .placeholder import FA_BRANCHES
+from .processor import FA3FakeQuant, FA3Observer
 
 __all__ = [
     "OBJECTIVES",
@@ -125,17 +130,10 @@ class SearchConfig:
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, axis: int = 0) -> torch.Tensor:
-    """``clamp(round_half_even(x / scale), -128, 127) * scale`` in fp32.
-
-    ``x`` ``[..., H, ...]`` with ``scale`` ``[H]`` broadcast along ``axis``. The same
-    numerics as ``quantize_per_head`` + ``dequantize_per_head`` (division, not a
-    reciprocal multiply, and ties to even), without their validation, because the
-    search calls it hundreds of times per layer.
-    """
-    shape = [1] * x.dim()
-    shape[axis] = -1
-    s = scale.to(torch.float32).view(shape)
-    return torch.clamp(torch.round(x.float() / s), INT8_MIN, INT8_MAX) * s
+    """``clamp(round_half_even(x / scale), -128, 127) * scale`` in fp32, ``x``
+    ``[..., H, ...]`` with ``scale`` ``[H]`` along ``axis`` (heads first here):
+    :func:`~ascend_fa.atb_ops.fake_quant_per_head`."""
+    return fake_quant_per_head(x, scale, axis)
 
 
 def attention_core(
@@ -355,16 +353,18 @@ def search_layer(
     refs = [attention_core(q, k, v, scaling, sliding_window) for q, k, v in rows]
 
     def errors(m: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _attention_errors(rows, refs, scales_for(m), scaling, sliding_window,
-                                 w)
+        return _attention_errors(rows, refs, scales_for(m), scaling, sliding_window, w)
 
     cur = errors(mult)
     start_obj = float(cur.sum())
     for _ in range(config.rounds):
         changed = False
         for branch in FA_BRANCHES:
-            per = (lambda e: e) if branch == "fa_q" else (
-                lambda e: e.view(hkv, group).sum(dim=1))
+            per = (
+                (lambda e: e)
+                if branch == "fa_q"
+                else (lambda e: e.view(hkv, group).sum(dim=1))
+            )
             cand = []
             for g in grid:
                 trial = dict(mult)
@@ -410,23 +410,25 @@ def search_scales(
     out: dict[str, dict[str, torch.Tensor]] = {}
     info: dict[str, LayerSearch] = {}
     names = list(start)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(names), desc="clip search", unit="layer", leave=False)
+    bar = progress_bar(len(names), "clip search", "layer") if progress else None
     for name in names:
         keep = kept.get(name, {})
-        rows = list(
-            zip(*(keep[b].rows for b in FA_BRANCHES), strict=False)
-        ) if all(b in keep for b in FA_BRANCHES) else []
+        rows = (
+            list(zip(*(keep[b].rows for b in FA_BRANCHES), strict=False))
+            if all(b in keep for b in FA_BRANCHES)
+            else []
+        )
         if not rows:
             out[name] = {b: start[name][b].detach().float().cpu() for b in FA_BRANCHES}
         else:
             scaling, window = _layer_geometry(modules[name], rows[0][0].shape[-1])
             o_proj = getattr(modules[name], "o_proj", None)
             res = search_layer(
-                rows, start[name], scaling, config, sliding_window=window,
+                rows,
+                start[name],
+                scaling,
+                config,
+                sliding_window=window,
                 out_proj=getattr(o_proj, "weight", None),
             )
             out[name] = res.scales
@@ -470,9 +472,10 @@ def calibrate_with_search(
     device: torch.device | str = "cpu",
     search: SearchConfig | None = None,
     report: dict[str, Any] | None = None,
-) -> tuple[list[Any], Any, dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
-    """Same contract as ``ascend_fa.cli.calibrate.calibrate_model``, with the clip
-    search run after the recipe's observers.
+    progress: bool = True,
+) -> CalibratedModel:
+    """Same contract as :func:`~ascend_fa.calibration.pipeline.calibrate_model`, with
+    the clip search run after the recipe's observers.
 
     The recipe's method gives the starting scales; the search then replaces each
     fake-quant module's scales. Returns ``(processors, adapter, ranges)`` with the
@@ -481,17 +484,6 @@ def calibrate_with_search(
     the chosen multipliers. Only GQA/MHA (FAQuant) models are supported.
     """
     from ascend_fa.adapters import get_adapter
-    from ascend_fa.calibration import (
-        FA3FakeQuant,
-        FA3Observer,
-        FA3Processor,
-        find_fa_modules,
-    )
-    from ascend_fa.cli.calibrate import (
-        samples_bound,
-        tighten_max_samples,
-        tokenize_batch,
-    )
 
     search = search or SearchConfig()
     adapter = get_adapter(model)
@@ -501,45 +493,33 @@ def calibrate_with_search(
             f"{getattr(model.config, 'model_type', '?')} uses "
             f"{getattr(adapter, 'fa_quant_type', '?')}"
         )
-    processors = [FA3Processor(item) for item in recipe.processors]
-    for proc in processors:
-        proc.preprocess(model, adapter)
-    selected = find_fa_modules(model)
-    if not selected:
-        for proc in processors:
-            proc.remove(model, adapter)
-        raise ValueError("the recipe selects no attention module")
-    bound = samples_bound(selected, len(texts), max_length)
-    for proc in processors:
-        proc.config = tighten_max_samples(proc.config, bound)
-        proc.process(model)
     kept: dict[str, dict[str, SampleKeeper]] = {}
-    for name, module in selected.items():
-        for branch in FA_BRANCHES:
-            child = module._modules.get(branch)
-            if isinstance(child, FA3Observer):
-                keeper = SampleKeeper(search.rows, search.tokens)
-                kept.setdefault(name, {})[branch] = keeper
-                module._modules[branch] = KeepingObserver(child, keeper)
-    try:
-        for i in range(0, len(texts), batch_size):
-            batch = tokenize_batch(tokenizer, texts[i:i + batch_size], max_length,
-                                   device)
-            model(**batch, use_cache=False, logits_to_keep=1)
-    finally:
-        for module in selected.values():
-            for branch in FA_BRANCHES:
-                child = module._modules.get(branch)
-                if isinstance(child, KeepingObserver):
-                    module._modules[branch] = child.inner
-    for proc in processors:
-        proc.postprocess(model)
+
+    def keep(name: str, branch: str, point: nn.Module) -> nn.Module | None:
+        if not isinstance(point, FA3Observer):
+            return None
+        keeper = SampleKeeper(search.rows, search.tokens)
+        kept.setdefault(name, {})[branch] = keeper
+        return KeepingObserver(point, keeper)
+
+    result = calibrate_model(
+        model,
+        tokenizer,
+        texts,
+        recipe=recipe,
+        max_length=max_length,
+        batch_size=batch_size,
+        device=device,
+        wrap=keep,
+        progress=progress,
+    )
+    selected = find_fa_modules(model)
     start = {
         name: {b: module._modules[b].scale for b in FA_BRANCHES}
         for name, module in selected.items()
         if all(isinstance(module._modules.get(b), FA3FakeQuant) for b in FA_BRANCHES)
     }
-    scales, info = search_scales(selected, start, kept, search, progress=True)
+    scales, info = search_scales(selected, start, kept, search, progress=progress)
     ranges = {}
     for name, entry in scales.items():
         ranges[name] = {}
@@ -548,12 +528,14 @@ def calibrate_with_search(
             fq.scale.copy_(scale.to(fq.scale.device))
             ranges[name][branch] = (-INT8_MAX * scale, INT8_MAX * scale)
     if report is not None:
-        report.update({
-            name: {
-                "start_objective": res.start_objective,
-                "final_objective": res.final_objective,
-                "multipliers": {b: m.tolist() for b, m in res.multipliers.items()},
+        report.update(
+            {
+                name: {
+                    "start_objective": res.start_objective,
+                    "final_objective": res.final_objective,
+                    "multipliers": {b: m.tolist() for b, m in res.multipliers.items()},
+                }
+                for name, res in info.items()
             }
-            for name, res in info.items()
-        })
-    return processors, adapter, ranges
+        )
+    return CalibratedModel(result.processors, result.adapter, ranges)

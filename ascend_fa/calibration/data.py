@@ -69,8 +69,11 @@ def _parse_jsonl(path: Path, text: str) -> list[str]:
                 f"{type(record).__name__}"
             )
         value = next(
-            (record[f] for f in TEXT_FIELDS
-             if isinstance(record.get(f), str) and record[f].strip()),
+            (
+                record[f]
+                for f in TEXT_FIELDS
+                if isinstance(record.get(f), str) and record[f].strip()
+            ),
             None,
         )
         if value is None:

@@ -1,4 +1,5 @@
-"""Whole-model emulation: run a LLaMA / Qwen / Mistral model on the paged int8 cache.
+"""Whole-model emulation runtime: a LLaMA / Qwen / Mistral model on the paged int8
+cache.
 
 :func:`enable_paged_int8_attention` switches a transformers decoder's attention to
 ``"ascend_fa_paged"``, a function registered in transformers' ``AttentionInterface``
@@ -23,7 +24,7 @@ and runs every step through the runtime API, as an Ascend inference engine does:
 =============  =================  ==============================================
 
 Scales (``scales=``): an artifact directory (``<attn>.fa_{q,k,v}.scale``, ``[H, 1]``
-or ``[H, D]``, read with :func:`ascend_fa.export.read_fa_scales`), or a map
+or ``[H, D]``, read with :func:`ascend_fa.artifact.read_fa_scales`), or a map
 ``{attn: {"fa_q": scale | (scale, offset), ...}}`` with ``[H]`` scales, keyed by the
 attention modules' dotted names (``model.layers.0.self_attn``). ``None`` means
 *dynamic* scales: when a sequence starts (its prefill), each layer takes the per-head
@@ -64,10 +65,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .atb_ops import c0, per_head_qparams
-from .attention import paged_attention, prefill_attention, reshape_and_cache
-from .backends import Backend, get_backend
-from .kvcache import CacheBatch, PagedKVCache
+from ascend_fa.adapters.hf import register_attention_function
+from ascend_fa.artifact.format import FA_BRANCHES, per_head_vector
+from ascend_fa.atb_ops import c0, per_head_qparams
+from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
+from ascend_fa.backends import Backend, get_backend
+from ascend_fa.kvcache import CacheBatch, PagedKVCache
+from ascend_fa.metrics import token_nll
 
 __all__ = [
     "EMULATION_MODES",
@@ -85,7 +89,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 _RT_ATTR = "_ascend_fa_paged_runtime"
 _ROOT_ATTR = "_ascend_fa_paged_root_runtime"
-_FA = ("fa_q", "fa_k", "fa_v")
 
 
 def dynamic_scales(x: torch.Tensor) -> torch.Tensor:
@@ -125,13 +128,9 @@ def _attention_forward(
 
 
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     # No mask function is registered on purpose: transformers then builds no mask,
     # which is right because the paged kernels apply causality from positions.
-    if PAGED_ATTENTION_IMPL not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(PAGED_ATTENTION_IMPL, _attention_forward)
+    register_attention_function(PAGED_ATTENTION_IMPL, _attention_forward)
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -151,18 +150,8 @@ def _as_scale(value: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]
         scale, offset = value, None
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         raise ValueError(f"scales: {name} scale must be a floating tensor")
-    if scale.dim() == 2:
-        # [H, 1] or [H, D] with constant rows (the artifact's on-disk shapes).
-        if not bool((scale == scale[:, :1]).all()):
-            raise ValueError(
-                f"scales: {name} scale {tuple(scale.shape)} varies along head_dim"
-            )
-        scale = scale[:, 0]
-    if scale.dim() != 1:
-        raise ValueError(
-            f"scales: {name} scale must be [H], [H, 1] or [H, D], got "
-            f"{tuple(scale.shape)}"
-        )
+    # [H], or the artifact's on-disk shapes [H, 1] / [H, D] with constant rows.
+    scale = per_head_vector(scale, f"scales: {name} scale")
     return scale.float().contiguous(), offset
 
 
@@ -186,9 +175,7 @@ class QuantizedKVRuntime:
         backend: str | Backend | None = None,
     ) -> None:
         if mode not in EMULATION_MODES:
-            raise ValueError(
-                f"mode must be one of {EMULATION_MODES}, got {mode!r}"
-            )
+            raise ValueError(f"mode must be one of {EMULATION_MODES}, got {mode!r}")
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -232,16 +219,19 @@ class QuantizedKVRuntime:
         self.mode = mode
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.backend = backend if isinstance(backend, Backend) else (
-            get_backend(backend) if backend is not None else None
+        self.backend = (
+            backend
+            if isinstance(backend, Backend)
+            else (get_backend(backend) if backend is not None else None)
         )
         self.layer_names = [n for n, _ in modules]
         self._modules = [m for _, m in modules]
         self._layer_of = {id(m): i for i, (_, m) in enumerate(modules)}
         cfg = self._modules[0].config
         self.num_heads = int(cfg.num_attention_heads)
-        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None)
-                                or self.num_heads)
+        self.num_kv_heads = int(
+            getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        )
         self.head_dim = int(self._modules[0].head_dim)
         width = self.num_kv_heads * self.head_dim
         dtype = next(model.parameters()).dtype
@@ -253,9 +243,7 @@ class QuantizedKVRuntime:
             )
         window = getattr(cfg, "sliding_window", None)
         self._window = (
-            int(window)
-            if window and getattr(cfg, "use_sliding_window", True)
-            else None
+            int(window) if window and getattr(cfg, "use_sliding_window", True) else None
         )
 
         self.static = scales is not None
@@ -291,7 +279,7 @@ class QuantizedKVRuntime:
         self, scales: str | Path | Mapping[str, Any]
     ) -> list[dict[str, torch.Tensor]]:
         if isinstance(scales, str | Path):
-            from .export import read_fa_scales
+            from ascend_fa.artifact.reader import read_fa_scales
 
             path = Path(scales)
             if not path.is_dir():
@@ -306,9 +294,12 @@ class QuantizedKVRuntime:
                 f"scales must be None, an artifact directory or a mapping, got "
                 f"{type(scales).__name__}"
             )
-        need = _FA if self.mode == "faquant" else _FA[1:]
-        heads = {"fa_q": self.num_heads, "fa_k": self.num_kv_heads,
-                 "fa_v": self.num_kv_heads}
+        need = FA_BRANCHES if self.mode == "faquant" else FA_BRANCHES[1:]
+        heads = {
+            "fa_q": self.num_heads,
+            "fa_k": self.num_kv_heads,
+            "fa_v": self.num_kv_heads,
+        }
         out = []
         for name in self.layer_names:
             entry = scales.get(name)
@@ -331,8 +322,9 @@ class QuantizedKVRuntime:
                         f"the model has {heads[branch]}"
                     )
                 if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-                    raise ValueError(f"scales: {name}.{branch}.scale must be finite "
-                                     "and > 0")
+                    raise ValueError(
+                        f"scales: {name}.{branch}.scale must be finite and > 0"
+                    )
                 if offset is not None and bool(torch.as_tensor(offset).any()):
                     raise ValueError(
                         f"scales: {name}.{branch}.offset is non-zero; the Ascend "
@@ -357,8 +349,10 @@ class QuantizedKVRuntime:
         mask = kwargs.get("attention_mask")
         if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
             mask = args[1]
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(
-            mask.bool().all()
+        if (
+            isinstance(mask, torch.Tensor)
+            and mask.dim() == 2
+            and not bool(mask.bool().all())
         ):
             raise ValueError(
                 f"{PAGED_ATTENTION_IMPL}: padded batches are not supported (the "
@@ -477,8 +471,8 @@ class QuantizedKVRuntime:
             self._begin_step(b, s, past, key)
         self._step_layers.add(layer)
         batch = self._batch
-        k_new = key[:, :, length - s:]
-        v_new = value[:, :, length - s:]
+        k_new = key[:, :, length - s :]
+        v_new = value[:, :, length - s :]
         sc: dict[str, torch.Tensor] = {}
         if self.mode != "float":
             if self.static:
@@ -524,7 +518,8 @@ class QuantizedKVRuntime:
 
     def _ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (
-            torch.int32, torch.int64
+            torch.int32,
+            torch.int64,
         ):
             raise ValueError("input_ids must be an integer tensor [B, S] or [S]")
         ids = input_ids.unsqueeze(0) if input_ids.dim() == 1 else input_ids
@@ -571,8 +566,10 @@ class QuantizedKVRuntime:
         (or ``[S]``), then one :func:`paged_attention` step per new token. Returns
         ``[B, S + N]`` with ``N <= max_new_tokens`` (stops when every row has
         produced ``eos_token_id``; finished rows repeat it)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
-            max_new_tokens < 0
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or (max_new_tokens < 0)
         ):
             raise ValueError(
                 f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}"
@@ -600,8 +597,10 @@ class QuantizedKVRuntime:
         ``[N, S]`` tensor); every window is one prefill of a new sequence, so
         dynamic scales come from the window itself."""
         self._check_live()
-        rows = list(windows) if not isinstance(windows, torch.Tensor) else (
-            [windows] if windows.dim() == 1 else list(windows)
+        rows = (
+            list(windows)
+            if not isinstance(windows, torch.Tensor)
+            else ([windows] if windows.dim() == 1 else list(windows))
         )
         total, count = 0.0, 0
         for w in rows:
@@ -609,10 +608,9 @@ class QuantizedKVRuntime:
             if ids.shape[1] < 2:
                 raise ValueError("perplexity: every window needs >= 2 tokens")
             logits = self.forward(ids, new_sequence=True)
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            total += float(nll.double().sum())
-            count += nll.numel()
+            n, c = token_nll(logits, ids)
+            total += n
+            count += c
         if not count:
             raise ValueError("perplexity: no windows")
         self.reset()

@@ -1,0 +1,158 @@
+"""The artifact format, defined once: file names, tensor names, shapes, description.
+
+Both the writer (:mod:`.writer`) and the validator (:mod:`.inspect`) — and every
+reader of scales (evaluation, emulation, the processor's ``load_scales``) — take
+their rules from here.
+
+Files of an artifact directory::
+
+    config.json                          the model config (loaders read it)
+    quant_model_description.json         tensor name -> type, plus top-level keys
+    quant_model_weights.safetensors      or -0000i-of-0000N shards + .index.json
+    calibration_report.json              when a report is given
+    tokenizer files                      copied from the source
+
+FA tensors per attention module ``<attn>`` (e.g. ``model.layers.0.self_attn``):
+
+==========================  =======  ===========================================
+name                        dtype    shape on disk
+==========================  =======  ===========================================
+``<attn>.fa_q.scale``       float32  ``[H, 1]`` query heads (MLA: ``[num_heads, 1]``)
+``<attn>.fa_k.scale``       float32  ``[Hkv, 1]`` (MLA: ``[1, 1]``)
+``<attn>.fa_v.scale``       float32  ``[Hkv, 1]`` (MLA: ``[1, 1]``)
+``<attn>.fa_{q,k,v}.offset``  int8   zeros, same shape as the scale
+==========================  =======  ===========================================
+
+The shape rule: one value per head on dim 0, so tensor parallelism splits dim 0;
+the file holds ``[H, 1]`` and a loader may expand it to ``[H, head_dim]`` (seed
+004's table shows the loaded parameter). Readers accept ``[H]``, ``[H, 1]`` and
+``[H, head_dim]`` with constant rows (:func:`per_head_vector`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FA_BRANCHES",
+    "FA_KINDS",
+    "FA_QUANT_TYPES",
+    "DESCRIPTION_FILE",
+    "DESCRIPTION_VERSION",
+    "WEIGHTS_NAME",
+    "WEIGHTS_INDEX_NAME",
+    "FA_WEIGHTS_NAME",
+    "LEGACY_WEIGHTS_NAME",
+    "REPORT_FILE",
+    "CONFIG_FILE",
+    "TOKENIZER_FILES",
+    "META_KEYS",
+    "FA_TENSOR",
+    "ScaleMap",
+    "fa_tensor_name",
+    "is_meta_key",
+    "per_head_vector",
+    "disk_scale",
+]
+
+#: Submodule names of the three FA points (and the middle part of their tensor
+#: names), in order: Q per query head, K and V per KV head.
+FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
+#: The two tensors of each point.
+FA_KINDS = ("scale", "offset")
+#: ``fa_quant_type`` values: per-head GQA/MHA, and MLA (absorbed query + latent).
+FA_QUANT_TYPES = ("FAQuant", "FAKQuant")
+
+#: attention module name -> {"fa_q": (scale [H] fp32, offset [H] int8), ...}
+ScaleMap = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
+
+DESCRIPTION_FILE = "quant_model_description.json"
+#: Version of the description layout written here (msModelSlim-style).
+DESCRIPTION_VERSION = "1.0.0"
+WEIGHTS_NAME = "quant_model_weights.safetensors"
+WEIGHTS_INDEX_NAME = "quant_model_weights.safetensors.index.json"
+#: File that ``merge_into`` adds beside an export's weights (they stay untouched).
+FA_WEIGHTS_NAME = "quant_model_weights_fa.safetensors"
+#: Weights file name of older msModelSlim W8A8 exports (seed 003).
+LEGACY_WEIGHTS_NAME = "quant_model_weight_w8a8.safetensors"
+REPORT_FILE = "calibration_report.json"
+CONFIG_FILE = "config.json"
+#: Files copied from the source checkpoint directory when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
+#: Top-level description keys that are not tensor names.
+META_KEYS = frozenset(
+    {
+        "model_quant_type",
+        "fa_quant_type",
+        "version",
+        "kv_quant_type",
+        "kv_cache_type",
+        "reduce_quant_type",
+        "group_size",
+        "metadata",
+        "model_type",
+        "quant_method",
+    }
+)
+
+#: ``<attn>.<branch>.<kind>``: the name of an FA tensor.
+FA_TENSOR = re.compile(r"^(?P<attn>.+)\.(?P<branch>fa_[qkv])\.(?P<kind>scale|offset)$")
+
+
+def fa_tensor_name(attn: str, branch: str, kind: str) -> str:
+    """``<attn>.<branch>.<kind>``, e.g. ``model.layers.0.self_attn.fa_q.scale``."""
+    if branch not in FA_BRANCHES or kind not in FA_KINDS:
+        raise ValueError(f"fa_tensor_name: no FA tensor {branch}.{kind}")
+    return f"{attn}.{branch}.{kind}"
+
+
+def is_meta_key(key: str, value: Any) -> bool:
+    """Whether a description entry is metadata rather than a tensor's type."""
+    return key in META_KEYS or key.endswith(".quant_type") or not isinstance(value, str)
+
+
+def per_head_vector(t: Any, name: str, heads: int | None = None) -> torch.Tensor:
+    """``[H]``, ``[H, 1]`` or ``[H, head_dim]`` with constant rows -> ``[H]``.
+
+    ``name`` (the tensor's name) leads every error; ``heads``, when given, must
+    match ``H``.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dim() == 2:
+        if t.shape[1] == 0 or not bool((t == t[:, :1]).all()):
+            raise ValueError(
+                f"{name} {tuple(t.shape)} varies along head_dim; expected one value "
+                "per head ([H, 1] or [H, head_dim] with equal columns)"
+            )
+        t = t[:, 0]
+    if t.dim() != 1 or (heads is not None and t.shape[0] != heads):
+        want = "H" if heads is None else str(heads)
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected [{want}], [{want}, 1] or "
+            f"[{want}, head_dim]"
+        )
+    return t
+
+
+def disk_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A per-head scale in its on-disk form: fp32 ``[H, 1]`` contiguous, finite and
+    > 0 (``ValueError`` naming the tensor otherwise)."""
+    s = per_head_vector(scale.detach(), name).to("cpu", torch.float32)
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError(f"{name} must be finite and > 0")
+    return s.reshape(-1, 1).contiguous()

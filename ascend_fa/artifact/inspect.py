@@ -1,0 +1,237 @@
+"""Validate an FA artifact (ours or msModelSlim's): the library side of
+``ascend-fa inspect``.
+
+Checks, each failure one finding:
+
+* ``quant_model_description.json`` exists and is a JSON object of strings;
+  ``config.json`` (when present) parses;
+* the weights (index + shards, ``quant_model_weights*.safetensors`` or
+  ``quant_model_weight_w8a8.safetensors``) are readable, no tensor is in two files,
+  every shard the index lists exists;
+* every description entry names a tensor and every tensor has an entry (top-level
+  keys such as ``model_quant_type``/``fa_quant_type``/``version`` and
+  ``<attn>.quant_type`` are metadata, not tensors);
+* per attention module with FA tensors: all six tensors present, scales floating
+  ``[H, 1]`` or ``[H, head_dim]``, finite and > 0, offsets zero with the scale's
+  shape, K and V with the same heads, Q heads a multiple of K heads, entries typed
+  ``FAQuant`` and ``<attn>.quant_type`` = ``INT8``;
+* ``fa_quant_type`` is ``FAQuant``/``FAKQuant``, present exactly when FA tensors
+  are, ``FAKQuant`` has one latent head for K and V, and ``config.json``'s
+  ``quantization_config.fa_quant_type`` (when present) agrees.
+
+The result says ``valid`` and lists the findings; the CLI exits 1 when invalid.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import (
+    DESCRIPTION_FILE,
+    FA_BRANCHES,
+    FA_QUANT_TYPES,
+    FA_TENSOR,
+    is_meta_key,
+)
+from .reader import read_tensor_index, weight_files
+
+__all__ = ["inspect_artifact", "natural_key"]
+
+
+def _check_fa(
+    attn: str, parts: dict[str, Any], desc: dict[str, Any], findings: list[str]
+) -> dict[str, Any]:
+    heads: dict[str, int] = {}
+    row: dict[str, Any] = {"module": attn}
+    for branch in FA_BRANCHES:
+        scale = parts.get((branch, "scale"))
+        offset = parts.get((branch, "offset"))
+        where = f"{attn}.{branch}"
+        if scale is None or offset is None:
+            missing = [
+                k for k, t in (("scale", scale), ("offset", offset)) if t is None
+            ]
+            findings.append(f"{where}: missing {' and '.join(missing)} tensor")
+            continue
+        if not scale.is_floating_point():
+            findings.append(
+                f"{where}.scale: dtype {scale.dtype}, expected floating (float32)"
+            )
+            continue
+        if scale.dim() != 2:
+            findings.append(
+                f"{where}.scale: shape {tuple(scale.shape)}, expected "
+                "[H, 1] or [H, head_dim]"
+            )
+            continue
+        s = scale.float()
+        if not bool(torch.isfinite(s).all()):
+            findings.append(f"{where}.scale: non-finite values")
+        elif not bool((s > 0).all()):
+            findings.append(f"{where}.scale: values <= 0 (min {float(s.min()):g})")
+        if tuple(offset.shape) != tuple(scale.shape):
+            findings.append(
+                f"{where}.offset: shape {tuple(offset.shape)} != scale "
+                f"shape {tuple(scale.shape)}"
+            )
+        elif bool((offset != 0).any()):
+            findings.append(
+                f"{where}.offset: nonzero values (symmetric INT8 expects zeros)"
+            )
+        if scale.dim() == 2 and not bool((s == s[:, :1]).all()):
+            findings.append(
+                f"{where}.scale: varies along head_dim (one scale per head expected)"
+            )
+        for kind in ("scale", "offset"):
+            entry = desc.get(f"{where}.{kind}")
+            if entry is not None and entry not in FA_QUANT_TYPES:
+                findings.append(
+                    f"{where}.{kind}: description type {entry!r}, expected 'FAQuant'"
+                )
+        heads[branch] = int(scale.shape[0])
+        finite = s[torch.isfinite(s)]
+        row[branch] = {
+            "heads": int(scale.shape[0]),
+            "shape": list(scale.shape),
+            "dtype": str(scale.dtype).removeprefix("torch."),
+            "min": float(finite.min()) if finite.numel() else math.nan,
+            "max": float(finite.max()) if finite.numel() else math.nan,
+        }
+    if "fa_k" in heads and "fa_v" in heads and heads["fa_k"] != heads["fa_v"]:
+        findings.append(
+            f"{attn}: fa_k has {heads['fa_k']} heads but fa_v has {heads['fa_v']}"
+        )
+    if "fa_q" in heads and "fa_k" in heads and heads["fa_q"] % heads["fa_k"]:
+        findings.append(
+            f"{attn}: fa_q heads ({heads['fa_q']}) are not a multiple of "
+            f"fa_k heads ({heads['fa_k']})"
+        )
+    qt = desc.get(f"{attn}.quant_type")
+    if qt != "INT8":
+        findings.append(
+            f"{attn}.quant_type: {qt!r} in the description, expected 'INT8'"
+        )
+    row["kv_heads"] = heads.get("fa_k")
+    return row
+
+
+def inspect_artifact(directory: str | Path) -> dict[str, Any]:
+    """Validate ``directory``; returns ``{"valid", "findings", "summary",
+    "layers"}`` (``layers``: per FA module the heads and scale range per branch)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    findings: list[str] = []
+    result: dict[str, Any] = {
+        "dir": str(directory),
+        "valid": False,
+        "findings": findings,
+        "summary": {},
+        "layers": [],
+    }
+    if not directory.is_dir():
+        findings.append(f"{directory}: not a directory")
+        return result
+    desc: dict[str, Any] = {}
+    desc_path = directory / DESCRIPTION_FILE
+    if not desc_path.is_file():
+        findings.append(f"{DESCRIPTION_FILE}: missing")
+    else:
+        try:
+            loaded = json.loads(desc_path.read_text(encoding="utf-8"))
+            if isinstance(loaded, dict):
+                desc = loaded
+            else:
+                findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            findings.append(f"{DESCRIPTION_FILE}: invalid JSON ({exc})")
+    config: dict[str, Any] | None = None
+    if (directory / "config.json").is_file():
+        try:
+            config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            findings.append(f"config.json: invalid JSON ({exc})")
+    for index in directory.glob("*.index.json"):
+        try:
+            json.loads(index.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            findings.append(f"{index.name}: invalid JSON ({exc})")
+            return result
+    try:
+        where = read_tensor_index(directory)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
+        findings.append(f"weights: {exc}")
+        where = {}
+    files = [p for p in weight_files(directory) if p.is_file()]
+    if not files:
+        findings.append("weights: no safetensors file")
+
+    tensor_entries = {k for k, v in desc.items() if not is_meta_key(k, v)}
+    for name in sorted(tensor_entries - set(where)):
+        findings.append(f"{name}: in the description but no such tensor")
+    for name in sorted(set(where) - tensor_entries) if desc else []:
+        findings.append(f"{name}: tensor has no description entry")
+
+    fa_parts: dict[str, dict[tuple[str, str], Any]] = {}
+    handles: dict[Path, Any] = {}
+    for name, path in where.items():
+        m = FA_TENSOR.match(name)
+        if not m:
+            continue
+        if path not in handles:
+            handles[path] = safe_open(str(path), framework="pt")
+        fa_parts.setdefault(m["attn"], {})[(m["branch"], m["kind"])] = handles[
+            path
+        ].get_tensor(name)
+    layers = [
+        _check_fa(attn, fa_parts[attn], desc, findings)
+        for attn in sorted(fa_parts, key=natural_key)
+    ]
+    fa_type = desc.get("fa_quant_type")
+    if fa_parts and fa_type is None:
+        findings.append(
+            "fa_quant_type: missing from the description although FA "
+            "tensors are present"
+        )
+    elif fa_type is not None and fa_type not in FA_QUANT_TYPES:
+        findings.append(f"fa_quant_type: {fa_type!r}, expected 'FAQuant' or 'FAKQuant'")
+    elif fa_type is not None and not fa_parts:
+        findings.append(f"fa_quant_type: {fa_type!r} but no FA tensors")
+    if fa_type == "FAKQuant":
+        for row in layers:
+            if row.get("kv_heads") not in (None, 1):
+                findings.append(
+                    f"{row['module']}: FAKQuant expects one latent head "
+                    f"for fa_k/fa_v, found {row['kv_heads']}"
+                )
+    if config is not None and isinstance(config.get("quantization_config"), dict):
+        cfg_type = config["quantization_config"].get("fa_quant_type")
+        if cfg_type is not None and cfg_type != fa_type:
+            findings.append(
+                f"config.json: quantization_config.fa_quant_type "
+                f"{cfg_type!r} != description {fa_type!r}"
+            )
+    total = sum(p.stat().st_size for p in files)
+    result["summary"] = {
+        "model_quant_type": desc.get("model_quant_type"),
+        "fa_quant_type": fa_type,
+        "version": desc.get("version"),
+        "weight_files": [p.name for p in files],
+        "weight_bytes": total,
+        "tensors": len(where),
+        "description_entries": len(desc),
+        "fa_modules": len(layers),
+    }
+    result["layers"] = layers
+    result["valid"] = not findings
+    return result
+
+
+def natural_key(name: str) -> list[Any]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

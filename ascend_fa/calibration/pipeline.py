@@ -1,0 +1,264 @@
+"""The calibration loop, once: tokenize in padded batches, run forwards, observe.
+
+:func:`run_forwards` is the one loop every calibration path calls (the calibrate
+verb, the clip search, the method comparison and the calibration benchmark);
+:func:`calibrate_model` is inject -> observe -> fake-quantize around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ascend_fa.adapters.hf import find_fa_modules, swapped_points
+
+from .placeholder import FA_BRANCHES, FA3QuantPlaceHolder
+from .processor import FA3Observer, FA3Processor
+
+__all__ = [
+    "CalibratedModel",
+    "PointWrapper",
+    "Ranges",
+    "calibrate_model",
+    "calibration_batches",
+    "float_mode",
+    "injected_points",
+    "progress_bar",
+    "run_forwards",
+    "samples_bound",
+    "tighten_max_samples",
+    "tokenize_batch",
+]
+
+#: attention module name -> {"fa_q": (lo [H], hi [H]), ...}: calibrated ranges.
+Ranges = dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]
+#: ``wrap(attn name, branch, observer point) -> module | None`` (None keeps it).
+PointWrapper = Callable[[str, str, nn.Module], nn.Module | None]
+
+
+def progress_bar(total: int, desc: str, unit: str = "sample") -> Any:
+    """A progress bar that draws only on a terminal (plain logs stay clean)."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total, desc=desc, unit=unit, leave=False, disable=not sys.stderr.isatty()
+    )
+
+
+def tokenize_batch(
+    tokenizer: Any, texts: list[str], max_length: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """``input_ids``/``attention_mask`` ``[B, S]`` padded, and ``position_ids``
+    counted over real tokens only, so a left-padded sample gets the same RoPE
+    positions (hence the same Q and K) as when it is alone."""
+    enc = tokenizer(
+        texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
+    mask = enc["attention_mask"]
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": enc["input_ids"].to(device),
+        "attention_mask": mask.to(device),
+        "position_ids": position_ids.to(device),
+    }
+
+
+def calibration_batches(
+    tokenizer: Any,
+    texts: list[str],
+    *,
+    max_length: int,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``texts`` in batches of ``batch_size``, tokenized by :func:`tokenize_batch`."""
+    for i in range(0, len(texts), batch_size):
+        yield tokenize_batch(tokenizer, texts[i : i + batch_size], max_length, device)
+
+
+@torch.no_grad()
+def run_forwards(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    progress: Any = None,
+) -> int:
+    """The calibration loop: one forward per batch, no KV cache, only the last
+    position's logits (the FA points see every token; the head is not needed).
+    Returns the number of rows run; ``progress`` (a bar) advances by rows."""
+    rows = 0
+    for batch in batches:
+        model(**batch, use_cache=False, logits_to_keep=1)
+        n = int(next(iter(batch.values())).shape[0])
+        rows += n
+        if progress is not None:
+            progress.update(n)
+    return rows
+
+
+def samples_bound(
+    fa_modules: dict[str, nn.Module], num_texts: int, max_length: int
+) -> int | None:
+    """Most samples any head can see: every text is cut to ``max_length`` tokens
+    and a head sees ``D`` values per token (None when a point's ``D`` is unknown)."""
+    dims = [
+        getattr(child, "head_dim", None)
+        for module in fa_modules.values()
+        for branch, child in module.named_children()
+        if branch in FA_BRANCHES
+    ]
+    if not dims or any(not isinstance(d, int) for d in dims):
+        return None
+    return num_texts * max_length * max(dims)
+
+
+def tighten_max_samples(config: Any, bound: int | None) -> Any:
+    """``config`` with every ``max_samples`` lowered to ``bound``.
+
+    ``pooled`` keeps ``N_max - int(ratio * N_max) + 1`` values per head and tail, so
+    the declared bound sets its cost per update. The calibration set bounds the
+    samples exactly, so lowering the declared bound to it changes no result (the
+    window is still exact) and keeps the retained tails short.
+    """
+    if bound is None:
+        return config
+    update: dict[str, Any] = {}
+    if config.max_samples is not None and config.max_samples > bound:
+        update["max_samples"] = bound
+    for branch in FA_BRANCHES:
+        over = getattr(config, branch)
+        if over is not None and (over.max_samples or 0) > bound:
+            update[branch] = over.model_copy(update={"max_samples": bound})
+    return config.model_copy(update=update) if update else config
+
+
+class CalibratedModel(NamedTuple):
+    """What :func:`calibrate_model` returns, ``(processors, adapter, ranges)``; the
+    model is left in fake-quant mode (:meth:`remove` restores it bit for bit).
+    ``ranges[attn][fa_x] = (lo [H], hi [H])`` are the calibrated ranges."""
+
+    processors: list[FA3Processor]
+    adapter: Any
+    ranges: Ranges
+
+    def export_scales(self, model: nn.Module) -> dict[str, Any]:
+        """``{attn: {"fa_q": (scale [H], offset [H]), ...}}`` of every processor."""
+        scales: dict[str, Any] = {}
+        for proc in self.processors:
+            scales.update(proc.export_scales(model))
+        return scales
+
+    def remove(self, model: nn.Module) -> None:
+        """Restore ``model`` exactly (no FA point, hook or wrapper left)."""
+        for proc in self.processors:
+            proc.remove(model, self.adapter)
+
+
+@torch.no_grad()
+def calibrate_model(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: list[str],
+    *,
+    recipe: Any,
+    max_length: int = 512,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+    wrap: PointWrapper | None = None,
+    progress: bool = True,
+) -> CalibratedModel:
+    """Inject, observe ``texts``, fake-quantize.
+
+    ``wrap`` may put a module around each observer point for the duration of the
+    forwards (the clip search keeps samples that way). Only one batch is alive at a
+    time and only the last position's logits are computed.
+    """
+    from ascend_fa.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    processors = [FA3Processor(item) for item in recipe.processors]
+    for proc in processors:
+        proc.preprocess(model, adapter)
+    selected = find_fa_modules(model)
+    if not selected:
+        names = [n for n, _ in adapter.attention_modules(model)]
+        for proc in processors:
+            proc.remove(model, adapter)
+        raise ValueError(
+            f"the recipe selects no attention module (include/exclude match none of "
+            f"the {len(names)} attention modules, e.g. {names[0] if names else '-'})"
+        )
+    bound = samples_bound(selected, len(texts), max_length)
+    for proc in processors:
+        proc.config = tighten_max_samples(proc.config, bound)
+        proc.process(model)
+    bar = progress_bar(len(texts), "calibrate") if progress else None
+    swap = swapped_points(selected, wrap) if wrap else contextlib.nullcontext()
+    try:
+        with swap:
+            run_forwards(
+                model,
+                calibration_batches(
+                    tokenizer,
+                    texts,
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    device=device,
+                ),
+                progress=bar,
+            )
+    finally:
+        if bar is not None:
+            bar.close()
+    ranges: Ranges = {}
+    for name, module in find_fa_modules(model).items():
+        entry = {}
+        for branch, child in module.named_children():
+            if isinstance(child, FA3Observer):
+                lo, hi = child.observer.range()
+                entry[branch] = (lo.detach().cpu(), hi.detach().cpu())
+        ranges[name] = entry
+    for proc in processors:
+        proc.postprocess(model)
+    return CalibratedModel(processors, adapter, ranges)
+
+
+@contextlib.contextmanager
+def float_mode(model: nn.Module) -> Iterator[None]:
+    """Temporarily put an identity placeholder at every FA point."""
+    with swapped_points(
+        find_fa_modules(model),
+        lambda _n, branch, child: FA3QuantPlaceHolder(
+            branch, getattr(child, "num_heads", 1)
+        ),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def injected_points(model: nn.Module) -> Iterator[tuple[Any, dict[str, nn.Module]]]:
+    """FA points on every attention module for the duration of the block.
+
+    Yields ``(adapter, {attn name: module})``. A model that already holds FA points
+    keeps them (swap them with :func:`~ascend_fa.adapters.hf.swapped_points`, which
+    restores them); otherwise placeholders are injected here and removed after.
+    """
+    from ascend_fa.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    mods = find_fa_modules(model)
+    ours = not mods
+    if ours:
+        adapter.inject_fa3_placeholders("", model, lambda _name: True)
+        mods = find_fa_modules(model)
+    try:
+        yield adapter, mods
+    finally:
+        if ours:
+            adapter.remove_fa3_placeholders(model)

@@ -1,0 +1,96 @@
+"""Accuracy measures shared by calibration reports, evaluation and emulation.
+
+* :func:`token_nll` — summed next-token negative log-likelihood and the number of
+  predicted tokens (real tokens only when a padding mask is given); perplexity is
+  ``exp(sum / count)``.
+* :class:`OutputError` — running sums that give the cosine and the relative L1 of a
+  quantized output against its float reference, accumulated over batches in
+  float64: ``cosine = Σab / sqrt(Σaa · Σbb)``, ``rel_l1 = Σ|a - b| / Σ|a|``.
+* :func:`token_kl` — summed per-token KL(float ‖ quantized) of next-token
+  distributions, and top-1 agreement counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["token_nll", "token_kl", "perplexity", "OutputError"]
+
+
+def token_nll(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[float, int]:
+    """``(Σ NLL, count)`` of predicting ``ids[:, 1:]`` from ``logits[:, :-1]``.
+
+    ``logits`` ``[B, S, V]``, ``ids`` ``[B, S]``; ``mask`` ``[B, S]`` (True = real
+    token) keeps only pairs whose both tokens are real. The log-softmax runs in fp32
+    and the sum in float64, so the result does not depend on the batch split.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    if mask is None:
+        return float(nll.double().sum()), int(nll.numel())
+    mask = mask.bool()
+    valid = mask[:, 1:] & mask[:, :-1]
+    return float(nll[valid].double().sum()), int(valid.sum())
+
+
+def token_kl(
+    ref_logits: torch.Tensor,
+    logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[float, int, int]:
+    """``(Σ KL(ref ‖ q), top-1 agreements, count)`` over token positions.
+
+    ``ref_logits``, ``logits`` ``[B, S, V]``; ``mask`` ``[B, S]`` selects the
+    positions counted. Per position ``KL = Σ_v p_ref (log p_ref - log p_q)`` in fp32,
+    summed in float64.
+    """
+    lp_ref = torch.log_softmax(ref_logits.float(), dim=-1)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1)
+    same = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
+    if mask is not None:
+        keep = mask.bool()
+        kl, same = kl[keep], same[keep]
+    return float(kl.double().sum()), int(same.sum()), int(same.numel())
+
+
+def perplexity(nll_sum: float, count: int) -> float:
+    """``exp(nll_sum / count)`` (NaN when nothing was counted)."""
+    return math.exp(nll_sum / count) if count else float("nan")
+
+
+class OutputError:
+    """Cosine and relative L1 of outputs ``b`` against references ``a``, summed over
+    :meth:`add` calls (float64 on the CPU)."""
+
+    def __init__(self) -> None:
+        self.sums = torch.zeros(5, dtype=torch.float64)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Accumulate one pair of equally shaped tensors (any float dtype)."""
+        a, b = a.double(), b.double()
+        self.sums += torch.stack(
+            [
+                (a * b).sum(),
+                (a * a).sum(),
+                (b * b).sum(),
+                (a - b).abs().sum(),
+                a.abs().sum(),
+            ]
+        ).cpu()
+
+    def cosine(self, *, empty: float | None = None) -> float | None:
+        """``Σab / sqrt(Σaa · Σbb)``; ``empty`` when either side is all zero."""
+        dot, aa, bb = self.sums[:3].tolist()
+        return dot / math.sqrt(aa * bb) if aa and bb else empty
+
+    def rel_l1(self, *, empty: float | None = None) -> float | None:
+        """``Σ|a - b| / Σ|a|``; ``empty`` when the reference is all zero."""
+        diff, norm = self.sums[3:].tolist()
+        return diff / norm if norm else empty

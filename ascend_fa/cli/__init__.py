@@ -129,7 +129,13 @@ def _sigterm_raises() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    run = getattr(args, "_run", None)
+    if extra and not getattr(
+        sys.modules.get(getattr(run, "__module__", "")), "TAKES_EXTRA_ARGS", False
+    ):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     verbose = bool(getattr(args, "verbose", False))
     quiet = bool(getattr(args, "quiet", False))
     logging.basicConfig(

@@ -110,3 +110,24 @@ def test_help_version_and_argument_errors_import_no_torch():
     cases += [[v, "--help"] for v in verbs]
     for argv in cases:
         assert _modules_after(argv) == "MODS 0 0", argv
+
+
+def test_missing_extra_names_the_install_command(monkeypatch, capsys):
+    """Without the [hf] extra a verb that needs transformers ends in one line that
+    says what to install (a real import failure: the module is hidden)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    rc = main(["eval", "--compare-methods", "--data", __file__])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert (
+        "transformers is not installed" in err and 'pip install "ascend-fa[hf]"' in err
+    )

@@ -172,7 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+#: top-level module -> the extra that provides it
+EXTRAS = {"transformers": "hf", "accelerate": "hf", "gguf": "hf", "tokenizers": "hf"}
+
+
 def _one_line(exc: BaseException) -> str:
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    root = (missing or "").split(".")[0]
+    if root in EXTRAS:
+        extra = EXTRAS[root]
+        return (
+            f"{root} is not installed; install the '{extra}' extra: "
+            f'pip install "ascend-fa[{extra}]" (from a checkout: '
+            f'pip install -e ".[{extra}]")'
+        )
     text = " ".join(str(exc).split())
     if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
         text = f"{exc.filename}: {text}"

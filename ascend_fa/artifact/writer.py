@@ -57,6 +57,7 @@ __all__ = [
     "merge_into",
     "atomic_output_dir",
     "write_json",
+    "write_extra_files",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -213,6 +214,15 @@ def write_json(path: Path, obj: Any) -> None:
     )
 
 
+def write_extra_files(directory: Path, files: Mapping[str, bytes] | None) -> None:
+    """Write ``files`` (plain file name -> bytes, e.g. the picture report) into
+    ``directory``; a name with a path separator is refused."""
+    for name, data in (files or {}).items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"extra file name must be a plain file name: {name!r}")
+        (directory / name).write_bytes(data)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -285,6 +295,7 @@ def export_artifact(
     source_dir: str | Path | None = None,
     tokenizer: Any = None,
     report: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
 ) -> Path:
@@ -324,6 +335,7 @@ def export_artifact(
             tokenizer.save_pretrained(str(tmp))
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        write_extra_files(tmp, extra_files)
     return Path(output)
 
 
@@ -334,6 +346,7 @@ def merge_into(
     fa_quant_type: str,
     output: str | Path | None = None,
     report: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Add FA tensors to an existing msModelSlim export ``target``.
@@ -414,4 +427,5 @@ def merge_into(
             write_json(tmp / "config.json", cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        write_extra_files(tmp, extra_files)
     return output

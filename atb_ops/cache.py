@@ -50,6 +50,7 @@ __all__ = [
     "check_scale",
     "check_reshape_and_cache",
     "check_reshape_and_cache_mla",
+    "nz_width_message",
     "reshape_and_cache_ref",
     "reshape_and_cache_mla_ref",
     "token_rows_ref",
@@ -124,6 +125,15 @@ def cache_geometry(fn: str, name: str, cache: object, layout: str) -> CacheGeome
     if nb <= 0 or width <= 0:
         raise ValueError(f"{fn}: {name} is empty, shape {tuple(cache.shape)}")
     return CacheGeometry(int(nb), int(bs), int(width), layout, cache.dtype)
+
+
+def nz_width_message(fn: str, heads: int, dim: int, dtype: torch.dtype) -> str:
+    """Why an NZ cache cannot hold ``heads`` x ``dim`` features of ``dtype``."""
+    return (
+        f"{fn}: an NZ cache needs Hkv*D = {heads * dim} to be a multiple of C0 = "
+        f"{c0(dtype)} for {dtype} (each fractal holds C0 columns); use layout='nd' "
+        "or pad the head dim"
+    )
 
 
 def check_scale(
@@ -266,6 +276,8 @@ def check_reshape_and_cache(
                 f"{fn}: key_cache is [NB, BS, Hkv, D] = "
                 f"{tuple(key_cache.shape)} but key has Hkv={hkv}, D={d}"
             )
+    elif (hkv * d) % c0(key_cache.dtype):
+        raise ValueError(nz_width_message(fn, hkv, d, key_cache.dtype))
     elif geo.width != hkv * d:
         raise ValueError(
             f"{fn}: key_cache holds Hkv*D = {geo.width} features per token "
@@ -333,6 +345,8 @@ def check_reshape_and_cache_mla(
         ("latent_cache", lgeo, latent_cache, r),
         ("rope_cache", rgeo, rope_cache, dr),
     ):
+        if layout == "nz" and width % c0(cache.dtype):
+            raise ValueError(nz_width_message(f"{fn}: {name}", 1, width, cache.dtype))
         if layout == "nd" and tuple(cache.shape[2:]) != (1, width):
             raise ValueError(
                 f"{fn}: {name} must be [NB, BS, 1, {width}], got {tuple(cache.shape)}"

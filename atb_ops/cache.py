@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 
 from .constants import INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
-from .quant import quantize_per_head, quantize_per_head_ref
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -629,16 +628,30 @@ def _(latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout) -> 
 def _put_token_ref(
     cache: torch.Tensor, slot: int, row: torch.Tensor, layout: str
 ) -> None:
+    """Write one token's ``W`` features, each to the position the table in the
+    module doc gives for feature ``c`` (the index math per feature, vectorized over
+    ``c``; independent of the kernels' run-based copies)."""
+    c = torch.arange(row.numel())
     if layout == "nz":
         bs, cols = cache.shape[2], cache.shape[3]
         blk, r = divmod(slot, bs)
-        for c in range(row.numel()):
-            cache[blk, c // cols, r, c % cols] = row[c]
+        cache[blk, c // cols, r, c % cols] = row.to(cache.dtype)
     else:
         bs, d = cache.shape[1], cache.shape[3]
         blk, r = divmod(slot, bs)
-        for c in range(row.numel()):
-            cache[blk, r, c // d, c % d] = row[c]
+        cache[blk, r, c // d, c % d] = row.to(cache.dtype)
+
+
+def _quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Golden codes of ``x`` ``[T, H, D]``: the fp32 quotient by the head's scale,
+    rounded half to even by hand (floor, then the fraction decides) and saturated;
+    no ``torch.round`` (the kernels use it)."""
+    quot = x.float() / scale.float().view(1, -1, 1)
+    low = torch.floor(quot)
+    frac = quot - low
+    odd = torch.remainder(low, 2) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return torch.clamp(low + up.float(), INT8_MIN, INT8_MAX).to(torch.int8)
 
 
 def token_rows_ref(cache: torch.Tensor, slot: int, layout: str) -> torch.Tensor:
@@ -668,9 +681,10 @@ def reshape_and_cache_ref(
     v_scale: torch.Tensor | None = None,
     layout: str = "nz",
 ) -> None:
-    """Golden reference: one token, then one element at a time, in slot order."""
-    kq = quantize_per_head_ref(key, k_scale, axis=1) if k_scale is not None else key
-    vq = quantize_per_head_ref(value, v_scale, axis=1) if v_scale is not None else value
+    """Golden reference: one token at a time, in slot order, each feature placed by
+    the layout table's index formula."""
+    kq = _quantize_ref(key, k_scale) if k_scale is not None else key
+    vq = _quantize_ref(value, v_scale) if v_scale is not None else value
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -687,9 +701,10 @@ def reshape_and_cache_mla_ref(
     k_scale: torch.Tensor | None = None,
     layout: str = "nz",
 ) -> None:
-    """Golden reference of the MLA write: per token, per element."""
+    """Golden reference of the MLA write, per token as in
+    :func:`reshape_and_cache_ref`."""
     lq = (
-        quantize_per_head(latent.unsqueeze(1), k_scale, axis=1).squeeze(1)
+        _quantize_ref(latent.unsqueeze(1), k_scale).squeeze(1)
         if k_scale is not None
         else latent
     )

@@ -360,12 +360,13 @@ def check_reshape_and_cache_mla(
 
 
 # -- kernels ------------------------------------------------------------------------
-#: Elements quantized per chunk (a 4 MiB fp32 intermediate, mostly cache-resident):
-#: the buffer is reused across chunks, and on CPU across calls, since a fresh
-#: multi-MiB buffer costs page faults on first touch every step. Chunks this large
-#: also keep the op count low, which matters when intra-op threads compete for
-#: cores (each parallel op then pays a scheduling delay of its own).
-_QUANT_CHUNK = 1 << 20
+#: Elements quantized per chunk and intra-op thread (a 1 MiB fp32 share, resident
+#: in the L2 cache so the five passes over it run at cache speed): the buffer is reused
+#: across chunks, and on CPU across calls, since a fresh buffer costs page faults
+#: on first touch every step. Larger chunks spill to memory on every pass; much
+#: smaller ones pay the per-op overhead (and, with intra-op threads competing for
+#: cores, a scheduling delay per op) more often.
+_QUANT_CHUNK = 1 << 18
 _SCRATCH = threading.local()
 
 
@@ -381,23 +382,47 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_per_head(x, scale, axis=1)`` for ``x`` ``[T, H, D]``, chunked over
     tokens: widen into an fp32 buffer, divide, round (half to even) and clamp in
-    place, cast to int8 -- the same operations in the same order as
-    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes."""
+    place, cast to int8 -- the same operations on the same fp32 values as
+    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes.
+
+    A 16-bit input is widened by a plain copy first and then divided fp32 by fp32:
+    the widening is exact, and two same-dtype passes run faster than one
+    mixed-dtype divide. The per-head scale is expanded over ``D`` (contiguous) so
+    the divide streams both operands instead of broadcasting along the inner dim.
+    """
     t = x.shape[0]
     per_token = max(x[0].numel(), 1) if t else 1
-    step = max(1, _QUANT_CHUNK // per_token)
+    # each intra-op thread takes its share of a chunk: keep the share L2-sized
+    chunk = _QUANT_CHUNK * max(1, torch.get_num_threads()) if x.is_cpu else 1 << 22
+    step = max(1, chunk // per_token)
     out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     rows = min(step, t)
     buf = _scratch(rows * per_token, x.device).view(rows, *x.shape[1:])
-    s = scale.view(1, -1, 1).to(torch.float32)
+    s = scale.to(device=x.device, dtype=torch.float32).view(1, -1, 1)
+    s = s.expand(1, *x.shape[1:]).contiguous()
     for start in range(0, t, step):
         part = buf[: min(step, t - start)]
-        # one pass widens and divides: fp16/bf16 / fp32 promotes to fp32 exactly,
-        # so this is x.float() / s, as quantize_per_head computes it
-        torch.div(x[start : start + step], s, out=part)
+        src = x[start : start + step]
+        if src.dtype == torch.float32:
+            torch.div(src, s, out=part)
+        else:
+            part.copy_(src)
+            part.div_(s)
         part.round_().clamp_(INT8_MIN, INT8_MAX)
         out[start : start + step].copy_(part)
     return out
+
+
+def _word(row_bytes: int) -> torch.dtype:
+    """The widest element that tiles a row of ``row_bytes``: the NZ tile transpose
+    moves whole 32-byte fractal rows, and its cost is per element moved (a 32-byte
+    row as 2 complex128 words copies about 1.5x faster than as 4 int64 words and
+    3x faster than as 32 int8). Only bits are moved, never arithmetic."""
+    if row_bytes % 16 == 0:
+        return torch.complex128
+    if row_bytes % 8 == 0:
+        return torch.int64
+    return torch.uint8
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -473,15 +498,20 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
     """Block-granular write (prefill): token rows are staged block by block (only
     when they are not already whole blocks in order), then each block is written
     with one copy that also does the NZ tile transpose ``[BS, W//C0, C0] ->
-    [W//C0, BS, C0]`` on whole fractal rows, moved as int64 words. Rows of partly
+    [W//C0, BS, C0]`` on whole fractal rows, moved as 16-byte words. Rows of partly
     written blocks that this call does not touch are staged from the cache first,
     so they are written back unchanged."""
     blocks, dest, partial = plan
     nb = cache.shape[0]
     bs = cache.shape[2] if layout == "nz" else cache.shape[1]
     u = blocks.numel()
-    # int64 words when a token row is whole words (a fractal row always is in NZ)
-    word = torch.int64 if (rows.shape[1] * rows.element_size()) % 8 == 0 else rows.dtype
+    row_bytes = rows.shape[1] * rows.element_size()
+    # NZ moves whole 32-byte fractal rows; ND copies contiguous token rows, which
+    # run at memcpy speed as plain 8-byte words
+    if layout == "nz":
+        word = _word(row_bytes)
+    else:
+        word = torch.int64 if row_bytes % 8 == 0 else torch.uint8
     wsize = torch.empty((), dtype=word).element_size()
     per = cache.shape[-1] * cache.element_size() // wsize if layout == "nz" else 0
     src = rows.view(word)
@@ -535,23 +565,6 @@ def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _scatter_rows(
-    cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layout: str
-) -> None:
-    """Write ``rows`` ``[T, W]`` (cache dtype, every slot valid and distinct) into
-    ``cache``, token-granular or block-granular depending on how full the touched
-    blocks get."""
-    if slots.numel() == 0:
-        return
-    rows = rows.contiguous()
-    bs = cache.shape[2] if layout == "nz" else cache.shape[1]
-    plan = _block_plan(slots, bs)
-    if plan is None:
-        _scatter_tokens(cache, rows, slots, layout)
-    else:
-        _scatter_blocks(cache, rows, layout, plan)
-
-
 def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slots as int64 plus the token indices to keep (None: all are valid)."""
     slots = slot_mapping.long()
@@ -561,20 +574,28 @@ def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     return slots, None
 
 
-def _write(
-    cache: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor | None,
-    slots: torch.Tensor,
-    keep: torch.Tensor | None,
+def _write_all(
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    slot_mapping: torch.Tensor,
     layout: str,
 ) -> None:
+    """Write each ``(cache, x [T, H, D], scale)`` of one call. The caches share NB
+    and BS (validated), so the slots are analysed once: padding filtered, and one
+    plan (token- or block-granular) serves every cache."""
+    slots, keep = _valid(slot_mapping)
     if slots.numel() == 0:
         return
-    if keep is not None:
-        x = x.index_select(0, keep)
-    rows = _quantize_rows(x, scale) if scale is not None else x
-    _scatter_rows(cache, rows.reshape(x.shape[0], -1), slots, layout)
+    first = writes[0][0]
+    plan = _block_plan(slots, first.shape[2] if layout == "nz" else first.shape[1])
+    for cache, x, scale in writes:
+        if keep is not None:
+            x = x.index_select(0, keep)
+        rows = _quantize_rows(x, scale) if scale is not None else x
+        rows = rows.reshape(x.shape[0], -1).contiguous()
+        if plan is None:
+            _scatter_tokens(cache, rows, slots, layout)
+        else:
+            _scatter_blocks(cache, rows, layout, plan)
 
 
 @torch.library.custom_op(
@@ -590,9 +611,9 @@ def _reshape_and_cache_op(
     v_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    slots, keep = _valid(slot_mapping)
-    _write(key_cache, key, k_scale, slots, keep, layout)
-    _write(value_cache, value, v_scale, slots, keep, layout)
+    _write_all(
+        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+    )
 
 
 @_reshape_and_cache_op.register_fake
@@ -614,9 +635,14 @@ def _reshape_and_cache_mla_op(
     k_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    slots, keep = _valid(slot_mapping)
-    _write(latent_cache, latent.unsqueeze(1), k_scale, slots, keep, layout)
-    _write(rope_cache, rope.unsqueeze(1), None, slots, keep, layout)
+    _write_all(
+        [
+            (latent_cache, latent.unsqueeze(1), k_scale),
+            (rope_cache, rope.unsqueeze(1), None),
+        ],
+        slot_mapping,
+        layout,
+    )
 
 
 @_reshape_and_cache_mla_op.register_fake

@@ -536,15 +536,18 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
         # One strided copy per run of consecutive block ids (a fresh sequence's
         # prefill is usually one run): the copy does the NZ tile transpose of all
         # the run's blocks at once, so the per-copy overhead is paid once per run.
-        for i, b, n in runs:
-            dst = cache_blocks[b : b + n]
-            src_run = stage[i * bs : (i + n) * bs]
-            if layout == "nz":
-                dst.view(n, n1, bs, per).copy_(
-                    src_run.view(n, bs, n1, per).transpose(1, 2)
-                )
-            else:
-                dst.copy_(src_run.view(n, -1))
+        if layout == "nz":
+            dst_all = cache_blocks.view(nb, n1, bs, per)
+            src_all = stage.view(u, bs, n1, per).transpose(1, 2)
+        else:
+            dst_all, src_all = cache_blocks, stage.view(u, -1)
+        # one call for all runs, two slices each: the copies are the same, the
+        # per-copy Python and dispatch overhead (a fair share of a small write) is
+        # paid once
+        torch._foreach_copy_(
+            [dst_all[b : b + n] for _, b, n in runs],
+            [src_all[i : i + n] for i, _, n in runs],
+        )
         return
     if layout == "nz":
         out = torch.native_channel_shuffle(stage.view(u, -1, per), bs).view(u, -1)

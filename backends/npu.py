@@ -14,7 +14,8 @@ or a kernel needs it, never by ``import ascend_fa``. Without the CANN libraries
 
 Which release is loaded decides the table rows that apply
 (:mod:`ascend_fa.backends.npu_capabilities`): ``$ASCEND_FA_TORCH_NPU_RELEASE`` when
-set, otherwise detected from what the module offers: no
+set, else a ``__version__`` that names a release (``7.3.0``, ``2.7.1-7.3.0``), else
+what the module offers: no
 ``npu_fused_infer_attention_score_v2`` means 7.1.0, a ``cache_mode`` keyword on
 ``npu_scatter_pa_kv_cache`` means 26.0.0, anything between is 7.2.0 (7.2.0 and
 7.3.0 bind identically; 7.2.0's rules are the stricter, so set the variable to
@@ -47,6 +48,7 @@ from .base import (
 from .npu_capabilities import (
     DEFAULT_RELEASE,
     RELEASE_ENV_VAR,
+    RELEASES,
     release_index,
 )
 from .npu_capabilities import unsupported_reasons as table_reasons
@@ -98,6 +100,11 @@ def detect_release(module) -> str:
     if forced:
         release_index(forced)
         return forced
+    version = str(getattr(module, "__version__", ""))
+    for release in RELEASES:
+        # a version string that names the release ("7.3.0", "2.7.1-7.3.0")
+        if version == release or version.endswith(("-" + release, "+" + release)):
+            return release
     if not hasattr(module, "npu_fused_infer_attention_score_v2"):
         return "7.1.0"
     keywords = call_keywords(module, "npu_scatter_pa_kv_cache") or set()

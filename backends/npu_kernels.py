@@ -84,7 +84,9 @@ def quantize_rows(tnpu, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         *params.args(),
         **params.kwargs(),
     )
-    if codes.dtype != torch.int8:
+    if codes.is_quantized:  # a qint8 tensor carries its codes as int_repr
+        codes = codes.int_repr()
+    elif codes.dtype != torch.int8:
         codes = codes.view(torch.int8)
     return codes.view(t, h, d)
 

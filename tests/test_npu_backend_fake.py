@@ -73,6 +73,14 @@ def test_release_detected_from_the_calls_it_offers(release):
     assert npu_backend.detect_release(module) == expected
 
 
+def test_release_named_by_the_version_string():
+    module = fake_npu.StrictFakeTorchNPU("7.2.0")
+    module.__version__ = "2.7.1-7.3.0"
+    assert npu_backend.detect_release(module) == "7.3.0"
+    module.__version__ = "2.7.1.post4"  # a plain torch_npu version names none
+    assert npu_backend.detect_release(module) == "7.2.0"
+
+
 def test_release_variable_overrides_and_is_validated(monkeypatch):
     monkeypatch.setenv(RELEASE_ENV_VAR, "7.3.0")
     assert npu_backend.detect_release(fake_npu.StrictFakeTorchNPU("7.2.0")) == "7.3.0"

@@ -392,8 +392,14 @@ def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """
     t = x.shape[0]
     per_token = max(x[0].numel(), 1) if t else 1
-    # each intra-op thread takes its share of a chunk: keep the share L2-sized
-    chunk = _QUANT_CHUNK * max(1, torch.get_num_threads()) if x.is_cpu else 1 << 22
+    # each intra-op thread takes its share of a chunk: keep the share L2-sized. With
+    # several threads, chunks of at least 1M elements keep the op count low: when
+    # the threads compete with other work for cores, every parallel op pays a
+    # scheduling delay of its own
+    threads = max(1, torch.get_num_threads())
+    chunk = _QUANT_CHUNK if threads == 1 else max(_QUANT_CHUNK * threads, 1 << 20)
+    if not x.is_cpu:  # device memory has no such cache to fit: few, large chunks
+        chunk = 1 << 22
     step = max(1, chunk // per_token)
     out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     rows = min(step, t)

@@ -28,6 +28,8 @@ from ._util import print_table, write_json
 
 NAME = "attention"
 HELP = "paged decode attention (int8 / bf16 / MLA caches) vs SDPA on a dense fp32 cache"
+#: Devices this benchmark runs on (it resolves ``--backend`` itself).
+BACKENDS = ("cpu", "cuda", "npu")
 
 GOAL = 2.0
 

@@ -29,6 +29,8 @@ from ._util import gbps, print_table, write_json
 
 NAME = "kvcache"
 HELP = "reshape_and_cache GB/s vs torch.clone (float/int8, NZ/ND, GQA/MLA), KV bytes"
+#: Devices this benchmark runs on (it resolves ``--backend`` itself).
+BACKENDS = ("cpu", "cuda", "npu")
 
 GOAL_WRITE = 0.5
 GOAL_BYTES = 0.51

@@ -55,14 +55,11 @@ def bench_parser(module) -> argparse.ArgumentParser:
         help="small sizes and few repeats (CI smoke run)",
     )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "cpu", "cuda", "npu"],
-        help="device to run on (default auto: the selected backend); timing uses "
-        "the device's own clock",
-    )
     module.add_arguments(p)
+    if not any("--backend" in a.option_strings for a in p._actions):
+        from ascend_fa.benchmarks._device import add_backend_argument
+
+        add_backend_argument(p)
     return p
 
 
@@ -87,19 +84,16 @@ def _compare(a: str, b: str) -> int:
 
 
 def _resolve_backend(module, requested: str) -> str:
-    """The backend name to run on: ``auto`` is the selected backend; a backend this
-    benchmark cannot use, or one that is unusable here, is an error (one line)."""
+    """For a CPU-only benchmark: ``auto`` and ``cpu`` run on the CPU; another
+    backend (usable here or not) is an error (one line)."""
     from ascend_fa.backends import get_backend
     from ascend_fa.errors import UnsupportedError
 
     name = get_backend(None if requested == "auto" else requested).name
-    supported = getattr(module, "BACKENDS", ("cpu",))
-    if name not in supported:
-        if requested == "auto" and "cpu" in supported:
+    if name != "cpu":
+        if requested == "auto":
             return "cpu"
-        raise UnsupportedError(
-            f"bench {module.NAME} runs on {', '.join(supported)}, not {name}"
-        )
+        raise UnsupportedError(f"bench {module.NAME} runs on the cpu only, not {name}")
     return name
 
 
@@ -110,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
         return _compare(args.a, args.b)
     module = load_benchmark(args.bench)
     bench_args = bench_parser(module).parse_args(args.extra_args)
-    bench_args.backend = _resolve_backend(module, bench_args.backend)
+    if not hasattr(module, "BACKENDS"):
+        # A benchmark that does not say which devices it runs on runs on the CPU.
+        bench_args.backend = _resolve_backend(module, bench_args.backend)
     for key in ("verbose", "quiet"):
         if hasattr(args, key) and not hasattr(bench_args, key):
             setattr(bench_args, key, getattr(args, key))

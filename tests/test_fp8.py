@@ -1294,3 +1294,33 @@ def test_dequantize_scale_stored_in_another_shard(tmp_path):
     ref = naive_dequantize(src[weight], src[name], torch.bfloat16)
     assert_bit_equal(got[a.name][weight], ref)
     assert name not in got[b.name]
+
+
+def vllm_skips(prefix: str, ignored_layers: list[str]) -> bool:
+    """vLLM's default ``is_layer_skipped`` rule for a non-fused, non-expert layer:
+    the module name is a member of ``ignored_layers`` (vllm-project/vllm
+    vllm/model_executor/layers/quantization/utils/quant_utils.py)."""
+    return prefix in ignored_layers
+
+
+def test_ignored_layers_are_module_names_vllm_matches(tmp_path, caplog):
+    make_bf16_checkpoint(tmp_path / "bf16")
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "out") == 0
+    got = flat(tmp_path / "out")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())[
+        "quantization_config"
+    ]
+    ignored = qc["ignored_layers"]
+    for name, t in got.items():
+        if name.endswith(".weight") and t.dim() == 2:
+            module = name[: -len(".weight")]
+            assert vllm_skips(module, ignored) == (t.dtype != FP8), name
+    assert "model.layers.1.mlp.gate" in ignored and "lm_head" in ignored
+    assert not any(x.endswith(".weight") or "\\" in x for x in ignored)
+    # quantizing half of what vLLM fuses (q_a_proj + kv_a_proj_with_mqa) warns
+    with caplog.at_level(logging.WARNING, logger="ascend_fa.fp8"):
+        quantize_checkpoint(
+            tmp_path / "bf16", tmp_path / "half", ignore=["q_a_proj"], progress=False
+        )
+    assert "fused into one layer by vLLM" in caplog.text
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in caplog.text

@@ -180,9 +180,13 @@ def open_checkpoint(root: str | os.PathLike[str]) -> Checkpoint:
         for n in names:  # all names checked before any file is opened
             member_path(d, n, index_path, f"weight_map entry {tensor_of[n]!r}")
         for n in names:
-            if not (d / n).is_file():
+            if not (d / n).exists():
                 raise FP8FormatError(
                     f"lists shard {n}, which is missing from {d}", path=index_path
+                )
+            if not (d / n).is_file():
+                raise FP8FormatError(
+                    f"lists shard {n}, which is not a regular file", path=index_path
                 )
     elif (d / SINGLE_NAME).is_file():
         names = [SINGLE_NAME]

@@ -61,6 +61,9 @@ HEADER_LIMIT = 100 << 20
 WRITE_BYTES = 8 << 20
 #: Staging buffers per writer (in flight: one being filled, the others queued).
 _STAGING = 4
+#: Largest dimension accepted in a header: no real tensor comes near it, and
+#: anything beyond int64 element counts would break tensor allocation.
+_MAX_DIM = 1 << 48
 
 #: safetensors dtype string -> bytes per element (for size checks of any tensor).
 ITEMSIZE = {
@@ -201,7 +204,9 @@ def _parse_entries(p: Path, raw: bytes, n: int) -> tuple[dict | None, list]:
         )
         if not isinstance(dtype, str):
             raise _corrupt(p, f"tensor {name!r} has no dtype string")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            _is_int(d) and 0 <= d <= _MAX_DIM for d in shape
+        ):
             raise _corrupt(p, f"tensor {name!r} has an invalid shape {shape!r}")
         if not (
             isinstance(offsets, list)

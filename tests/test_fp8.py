@@ -1323,4 +1323,4 @@ def test_ignored_layers_are_module_names_vllm_matches(tmp_path, caplog):
             tmp_path / "bf16", tmp_path / "half", ignore=["q_a_proj"], progress=False
         )
     assert "fused into one layer by vLLM" in caplog.text
-    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in caplog.text
+    assert "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa" in caplog.text

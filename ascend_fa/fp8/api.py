@@ -68,9 +68,10 @@ DEFAULT_IGNORE: tuple[str, ...] = (
 #: share one precision or vLLM refuses the checkpoint (vllm-project/vllm
 #: vllm/model_executor/layers/quantization/utils/quant_utils.py is_layer_skipped,
 #: commit 4de0dd6db70fbcfdb5420b3de5892d06ed1624c8, "Detected some but not all
-#: shards"; the groups are DeepSeek's stacked_params_mapping in
-#: vllm/model_executor/models/deepseek_v2.py, commit 002d6073aa03, and Llama's
-#: qkv_proj / gate_up_proj).
+#: shards"). The groups are the stacked params of DeepSeek's load_weights
+#: (vllm/model_executor/models/deepseek_v2.py, commit
+#: 002d6073aa034d4f5545d45021b0e56d1f3c3593): gate_up_proj, fused_qkv_a_proj (MLA)
+#: and qkv_proj (MHA). Routed experts of one layer are one FusedMoE there too.
 _FUSED_GROUPS = (
     ("q_proj", "k_proj", "v_proj"),
     ("gate_proj", "up_proj"),
@@ -166,22 +167,28 @@ def ignored_module_names(
 
 
 def _warn_split_fused(names: Iterable[str], selected: set[str]) -> None:
-    """Warn when vLLM would fuse tensors that got different precisions."""
-    present = set(names)
-    for group in _FUSED_GROUPS:
-        for n in sorted(present):
-            head, _, leaf = n.rpartition(".")[0].rpartition(".")
-            if leaf != group[0] or not n.endswith(".weight"):
-                continue
-            members = [f"{head}.{g}.weight" for g in group]
-            members = [m for m in members if m in present]
-            picked = {m in selected for m in members}
-            if len(picked) > 1:
-                log.warning(
-                    "%s are fused into one layer by vLLM but only some are "
-                    "quantized; vLLM refuses such a checkpoint",
-                    ", ".join(members),
-                )
+    """Warn when vLLM would load tensors of different precisions as one layer."""
+    groups: dict[str, list[str]] = {}
+    for n in sorted(names):
+        if not n.endswith(".weight"):
+            continue
+        module = n[: -len(".weight")]
+        parent, _, leaf = module.rpartition(".")
+        for group in _FUSED_GROUPS:
+            if leaf in group:
+                groups.setdefault(f"{parent}.{'+'.join(group)}", []).append(n)
+        head, sep, _ = module.partition(".experts.")
+        if sep:
+            groups.setdefault(f"{head}.experts", []).append(n)
+    for key, members in groups.items():
+        if len({m in selected for m in members}) > 1:
+            mixed = [m for m in members if m not in selected][:2]
+            log.warning(
+                "%s are fused into one layer by vLLM but only some are quantized "
+                "(e.g. %s kept in BF16); vLLM refuses or misloads such a checkpoint",
+                key,
+                ", ".join(mixed),
+            )
 
 
 def _input_dirs(inp: Path, reference: Path | None) -> list[tuple[str, Path]]:

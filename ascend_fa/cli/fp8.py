@@ -67,7 +67,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ascend_fa.fp8 import DEFAULT_IGNORE, DEFAULT_INCLUDE
+    from ascend_fa.fp8.selection import DEFAULT_IGNORE, DEFAULT_INCLUDE
 
     sub = parser.add_subparsers(dest="fp8_command", metavar="ACTION", required=True)
     q = sub.add_parser(

@@ -44,50 +44,49 @@ anchor with ``^`` / ``$`` for whole-name matches.
 
 from __future__ import annotations
 
-from .api import (
-    DEFAULT_IGNORE,
-    DEFAULT_INCLUDE,
-    ConversionResult,
-    dequantize_checkpoint,
-    ignored_module_names,
-    quantize_checkpoint,
-    select_for_quantization,
-)
-from .blocks import SCALE_SUFFIX, dequantize_blockwise, quantize_blockwise
-from .checkpoint import INDEX_NAME
-from .convert import WORKER_BYTES, plan_workers
-from .errors import (
-    FP8ConversionError,
-    FP8FormatError,
-    FP8InputError,
-    FP8UnsafePathError,
-)
-from .output import MANIFEST_NAME
-from .reader import CheckpointReader, TensorInfo
-from .safetensors_io import ShardHeader, TensorEntry, read_safetensors_header
+import importlib
+from typing import Any
 
-__all__ = [
-    "DEFAULT_IGNORE",
-    "DEFAULT_INCLUDE",
-    "INDEX_NAME",
-    "MANIFEST_NAME",
-    "SCALE_SUFFIX",
-    "WORKER_BYTES",
-    "CheckpointReader",
-    "ConversionResult",
-    "FP8ConversionError",
-    "FP8FormatError",
-    "FP8InputError",
-    "FP8UnsafePathError",
-    "ShardHeader",
-    "TensorEntry",
-    "TensorInfo",
-    "dequantize_blockwise",
-    "dequantize_checkpoint",
-    "ignored_module_names",
-    "plan_workers",
-    "quantize_blockwise",
-    "quantize_checkpoint",
-    "read_safetensors_header",
-    "select_for_quantization",
-]
+# Public names -> the module that owns them, loaded on first access so that the
+# torch-free parts (errors, selection rules) import without torch (the CLI builds
+# its --help from them).
+_OWNER: dict[str, str] = {
+    "DEFAULT_IGNORE": "selection",
+    "DEFAULT_INCLUDE": "selection",
+    "ignored_module_names": "selection",
+    "select_for_quantization": "selection",
+    "ConversionResult": "api",
+    "dequantize_checkpoint": "api",
+    "quantize_checkpoint": "api",
+    "SCALE_SUFFIX": "blocks",
+    "dequantize_blockwise": "blocks",
+    "quantize_blockwise": "blocks",
+    "INDEX_NAME": "checkpoint",
+    "WORKER_BYTES": "convert",
+    "plan_workers": "convert",
+    "FP8ConversionError": "errors",
+    "FP8FormatError": "errors",
+    "FP8InputError": "errors",
+    "FP8UnsafePathError": "errors",
+    "MANIFEST_NAME": "output",
+    "CheckpointReader": "reader",
+    "TensorInfo": "reader",
+    "ShardHeader": "safetensors_io",
+    "TensorEntry": "safetensors_io",
+    "read_safetensors_header": "safetensors_io",
+}
+
+__all__ = sorted(_OWNER)
+
+
+def __getattr__(name: str) -> Any:
+    owner = _OWNER.get(name)
+    if owner is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{owner}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_OWNER))

@@ -1227,7 +1227,7 @@ def test_subprocess_signal_removes_temp_files_keeps_resume_state(tmp_path, sig):
         _cmd(tmp_path, "--quiet"), env=_env(), capture_output=True, text=True
     )
     assert rerun.returncode == 0, rerun.stderr
-    assert "1 of 3 shards already done" in rerun.stderr
+    assert "1 shard(s) resumed" in rerun.stdout
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
 
 

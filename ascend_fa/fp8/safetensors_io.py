@@ -13,7 +13,7 @@ that the data offsets tile the file exactly. Errors are
 :class:`~ascend_fa.fp8.errors.FP8FormatError` naming the file.
 
 :class:`ShardWriter` writes a file whose header is fixed up front; tensor bytes are
-computed straight into large staging buffers that two background threads write and
+computed straight into staging buffers that two background threads write and
 hash (sha256), so the output is never reread.
 """
 
@@ -56,11 +56,13 @@ __all__ = [
 
 #: Largest header accepted (safetensors itself caps it at 100 MB).
 HEADER_LIMIT = 100 << 20
-#: Bytes per staging buffer handed to the writer threads: large writes cost the
-#: kernel less per byte than many 1 MiB ones.
-WRITE_BYTES = 8 << 20
+#: Bytes per staging buffer handed to the writer threads (a buffer grows to hold a
+#: larger chunk). Small buffers go to the write and hash threads soon after the
+#: chunk was computed, while it is still in cache: 1 MiB x 8 took 10-15% less CPU
+#: than 8 MiB x 4 for both conversions (measured on 2 cores).
+WRITE_BYTES = 1 << 20
 #: Staging buffers per writer (in flight: one being filled, the others queued).
-_STAGING = 4
+_STAGING = 8
 #: Largest dimension accepted in a header: no real tensor comes near it, and
 #: anything beyond int64 element counts would break tensor allocation.
 _MAX_DIM = 1 << 48

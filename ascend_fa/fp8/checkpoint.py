@@ -326,9 +326,16 @@ def plan_dequantize(ckpt: Checkpoint) -> DequantPlan:
     ceil(in/BC)]`` with the block size of ``quantization_config`` (default
     ``[128, 128]``), whose ``fmt`` must be ``e4m3`` when given (the only format
     the DeepSeek block rule defines)."""
+    where = ckpt.locate()
+    entries = {t.name: t for h in ckpt.shards.values() for t in h.tensors.values()}
+    scaled = any(
+        n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in entries for n in entries
+    )
+    # The config only matters for the block weights: a checkpoint without any is
+    # read as it is, whatever quantization_config says.
     cfg_path = ckpt.root / CONFIG_NAME
     qc = (ckpt.config or {}).get("quantization_config") or {}
-    fmt = qc.get("fmt")
+    fmt = qc.get("fmt") if scaled else None
     if fmt is not None and fmt != "e4m3":
         raise FP8FormatError(
             f"quantization_config.fmt is {fmt!r}; only 'e4m3' block checkpoints "
@@ -336,13 +343,11 @@ def plan_dequantize(ckpt: Checkpoint) -> DequantPlan:
             path=cfg_path,
         )
     try:
-        block = check_block(qc.get("weight_block_size") or FP8_BLOCK)
+        block = check_block((scaled and qc.get("weight_block_size")) or FP8_BLOCK)
     except FP8InputError as exc:
         raise FP8FormatError(
             f"quantization_config.weight_block_size: {exc.message}", path=cfg_path
         ) from None
-    where = ckpt.locate()
-    entries = {t.name: t for h in ckpt.shards.values() for t in h.tensors.values()}
     plan = DequantPlan(block)
     for name, t in sorted(entries.items()):
         if name.endswith(SCALE_SUFFIX):

@@ -364,7 +364,7 @@ def run_conversion(
                 for result in pool.imap_unordered(_worker_entry, todo):
                     record(result)
                     if bar is not None:
-                        bar.update(ckpt.shards[Path(result[0]).name].size)
+                        bar.update(ckpt.shards[result[0]].size)
         finish(partial, {t.dst.name: read_safetensors_header(t.dst) for t in tasks})
         for rel, src in other_files:
             _copy_into(partial, rel, src)

@@ -190,16 +190,15 @@ def dequantize_chunk(
     ws: Workspace,
     out: torch.Tensor,
 ) -> None:
-    """``codes [r, n] float8_e4m3fn``, ``scale_inv [ceil(r/BR), ceil(n/BC)]`` ->
-    ``out [r, n]`` (bf16 or fp16), equal to ``(codes.float() * scale_inv)
-    .to(out.dtype)`` bit for bit.
+    """``codes [r, n] float8_e4m3fn``, ``scale_inv [ceil(r/BR), ceil(n/BC)]``
+    float32 -> ``out [r, n]`` (bf16 or fp16), equal to ``(codes.float() *
+    scale_inv).to(out.dtype)`` bit for bit.
 
-    Raises :class:`BadBlock` on a scale that is not finite and positive, an FP8 NaN
-    code, or (fp16) a result out of range.
+    The caller checks the whole tensor's scales once (:func:`check_scale_inv`).
+    Raises :class:`BadBlock` on an FP8 NaN code or (fp16) a result out of range.
     """
     br, bc = block
     r, n = codes.shape
-    check_scale_inv(scale_inv)
     if r * n == 0:
         return
     nbr, nbc = -(-r // br), -(-n // bc)
@@ -226,12 +225,12 @@ def dequantize_chunk(
     hv.bitwise_and_(-16385)  # clear bit 14 (~0x4000 as int16)
     x = ws.get("f32", (rows, cols), torch.float32)
     x.copy_(half.view(torch.float16))
-    scale = scale_inv.float() * 256.0
+    scale = scale_inv * 256.0
     xb = x.view(nbr, br, nbc, bc)
     if bool(torch.isfinite(scale).all()):
         xb.mul_(scale.view(nbr, 1, nbc, 1))
     else:  # scale_inv * 2**8 overflows fp32: apply the two factors one by one
-        xb.mul_(256.0).mul_(scale_inv.float().view(nbr, 1, nbc, 1))
+        xb.mul_(256.0).mul_(scale_inv.view(nbr, 1, nbc, 1))
     out.copy_(x[:r, :n])
     if out.dtype == torch.float16:
         finite = torch.isfinite(out)
@@ -304,6 +303,12 @@ def dequantize_blockwise(
         )
     q = codes.detach().to("cpu").contiguous()
     s = scale_inv.detach().to("cpu", torch.float32).contiguous()
+    try:
+        check_scale_inv(s)
+    except BadBlock as e:
+        raise FP8FormatError(
+            f"tensor has {e.what} in block ({e.row}, {e.col})"
+        ) from None
     result = torch.empty((rows, cols), dtype=dtype)
     ws = Workspace()
     step = chunk_rows(cols, block[0])

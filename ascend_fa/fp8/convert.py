@@ -26,6 +26,7 @@ from .blocks import (
     SCALE_SUFFIX,
     BadBlock,
     Workspace,
+    check_scale_inv,
     chunk_rows,
     dequantize_chunk,
     quantize_chunk,
@@ -207,6 +208,10 @@ def _stream_dequantize(
     writer: ShardWriter,
 ) -> None:
     rows, cols = t.shape
+    try:  # once per tensor (the planner checked it too; the file may have changed)
+        check_scale_inv(scale)
+    except BadBlock as e:
+        raise _bad_block(path, t, 0, e, block) from None
     step = chunk_rows(cols, block[0])
     for r0 in range(0, rows, step):
         r = min(step, rows - r0)

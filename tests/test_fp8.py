@@ -7,6 +7,8 @@ import json
 import logging
 import math
 import os
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +21,8 @@ from safetensors.torch import save_file
 from ascend_fa import fp8
 from ascend_fa.cli import main
 from ascend_fa.fp8 import (
-    FAIL_AFTER_ENV,
     FP8ConversionError,
-    SimulatedInterruption,
+    blocks,
     dequantize_blockwise,
     dequantize_checkpoint,
     plan_workers,
@@ -288,7 +289,7 @@ def test_quantize_blockwise_bit_equal_to_naive(shape, dtype):
 
 def test_quantize_blockwise_other_block_size_and_chunks(monkeypatch):
     # Small chunks force many chunks per tensor, including a partial last one.
-    monkeypatch.setattr(fp8, "_CHUNK_ELEMS", 64 * 100)
+    monkeypatch.setattr(blocks, "CHUNK_ELEMS", 64 * 100)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(333, 100, generator=gen) * 5).to(torch.bfloat16)
     q, s = quantize_blockwise(w, (64, 48))
@@ -475,11 +476,11 @@ def test_quantize_checkpoint_cli(tmp_path):
             "fmt": "e4m3",
             "quant_method": "fp8",
             "weight_block_size": [128, 128],
+            # module names of the 2-D weights kept in BF16 (what vLLM matches)
             "ignored_layers": [
-                ".*lm_head",
-                "embed_tokens",
-                r"norm\.",
-                r"mlp\.gate\.weight$",
+                "lm_head",
+                "model.embed_tokens",
+                "model.layers.1.mlp.gate",
             ],
         },
     )
@@ -493,7 +494,7 @@ def test_quantize_checkpoint_cli(tmp_path):
 def test_streaming_in_one_block_row_chunks_matches_naive(tmp_path, monkeypatch):
     """Every tensor streamed one block row at a time (file offsets per chunk, the
     partial last block row, scales assembled across chunks)."""
-    monkeypatch.setattr(fp8, "_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(blocks, "CHUNK_ELEMS", 1)
     src = make_bf16_checkpoint(tmp_path / "bf16")
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "fp8") == 0
     got = flat(tmp_path / "fp8")
@@ -704,7 +705,13 @@ def test_include_ignore_rules(tmp_path):
         math.ceil(ALL_SHAPES[n][1] / 32),
     )
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["quantization_config"]["ignored_layers"] == ["down_proj"]
+    kept = sorted(
+        n[: -len(".weight")]
+        for n, shape in ALL_SHAPES.items()
+        if len(shape) == 2 and n not in expect
+    )
+    assert "model.layers.1.mlp.experts.0.down_proj" in kept
+    assert cfg["quantization_config"]["ignored_layers"] == kept
     assert cfg["quantization_config"]["weight_block_size"] == [64, 32]
     # dequantize reads the block size back from the config
     assert _dequantize_cli(tmp_path / "out", tmp_path / "deq") == 0
@@ -770,52 +777,91 @@ def test_nonfinite_weight_names_tensor_and_block(tmp_path, capsys):
 # --------------------------------------------------------------------------------------
 
 
-def test_interrupt_then_resume_is_byte_identical(tmp_path, monkeypatch, caplog):
+def stop_after(n: int, exc: type[BaseException] = KeyboardInterrupt):
+    """An ``on_shard_done`` hook that interrupts the conversion after ``n`` shards
+    were recorded, as Ctrl-C (or a SIGTERM handler's SystemExit) would."""
+    seen: list[str] = []
+
+    def hook(name: str) -> None:
+        seen.append(name)
+        if len(seen) >= n:
+            raise exc()
+
+    return hook
+
+
+def interrupted(verb, inp: Path, out: Path, n: int = 1, **kw) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        verb(inp, out, progress=False, on_shard_done=stop_after(n), **kw)
+    assert not out.exists()
+    assert not list(partial_of(out).glob("*.tmp"))  # temp files removed
+
+
+def partial_of(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def test_interrupt_then_resume_is_byte_identical(tmp_path, caplog):
     make_bf16_checkpoint(tmp_path / "bf16")
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "clean") == 0
     out = tmp_path / "out"
     partial = tmp_path / "out.partial"
-    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
-    with pytest.raises(SimulatedInterruption):
-        _quantize_cli(tmp_path / "bf16", out)
-    assert not out.exists()
+    interrupted(quantize_checkpoint, tmp_path / "bf16", out)
     manifest = json.loads((partial / fp8.MANIFEST_NAME).read_text())
     assert list(manifest["done"]) == ["model-00001-of-00003.safetensors"]
+    assert manifest["complete"] is False
     rec = manifest["done"]["model-00001-of-00003.safetensors"]
     assert rec["size"] == (partial / "model-00001-of-00003.safetensors").stat().st_size
     # a shard half-written when the process died
     (partial / "model-00002-of-00003.safetensors.tmp").write_bytes(b"\0" * 100)
-    monkeypatch.delenv(FAIL_AFTER_ENV)
     with caplog.at_level(logging.INFO, logger="ascend_fa.fp8"):
         assert _quantize_cli(tmp_path / "bf16", out) == 0
     assert "1 of 3 shards already done" in caplog.text
     assert not partial.exists()
     assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+    final = json.loads((out / fp8.MANIFEST_NAME).read_text())
+    assert final["complete"] is True and len(final["done"]) == 3
 
 
-def test_resume_redoes_a_tampered_shard(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupt_keeps_resume_state_and_cleans_temp_files(tmp_path, exc):
+    """Ctrl-C (KeyboardInterrupt) and SIGTERM through a handler that raises
+    SystemExit: the exception propagates, no temp file is left, the manifest is
+    valid JSON listing exactly the finished shards, and the rerun resumes."""
     make_fp8_checkpoint(tmp_path / "fp8")
     assert _dequantize_cli(tmp_path / "fp8", tmp_path / "clean") == 0
-    monkeypatch.setenv(FAIL_AFTER_ENV, "2")
-    with pytest.raises(SimulatedInterruption):
-        _dequantize_cli(tmp_path / "fp8", tmp_path / "out")
+    out = tmp_path / "out"
+    with pytest.raises(exc):
+        dequantize_checkpoint(
+            tmp_path / "fp8", out, progress=False, on_shard_done=stop_after(2, exc)
+        )
+    partial = partial_of(out)
+    names = sorted(p.name for p in partial.iterdir())
+    manifest = json.loads((partial / fp8.MANIFEST_NAME).read_text())
+    assert sorted(manifest["done"]) == [n for n in names if n.endswith("tensors")]
+    assert len(manifest["done"]) == 2 and not any(n.endswith(".tmp") for n in names)
+    result = dequantize_checkpoint(tmp_path / "fp8", out, progress=False)
+    assert len(result.resumed) == 2
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+
+
+def test_resume_redoes_a_tampered_shard(tmp_path, caplog):
+    make_fp8_checkpoint(tmp_path / "fp8")
+    assert _dequantize_cli(tmp_path / "fp8", tmp_path / "clean") == 0
+    interrupted(dequantize_checkpoint, tmp_path / "fp8", tmp_path / "out", 2)
     victim = tmp_path / "out.partial" / "model-00001-of-00003.safetensors"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 1
     victim.write_bytes(bytes(data))
-    monkeypatch.delenv(FAIL_AFTER_ENV)
     with caplog.at_level(logging.INFO, logger="ascend_fa.fp8"):
         assert _dequantize_cli(tmp_path / "fp8", tmp_path / "out") == 0
     assert "failed verification" in caplog.text
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
 
 
-def test_resume_with_different_parameters_is_refused(tmp_path, monkeypatch, capsys):
+def test_resume_with_different_parameters_is_refused(tmp_path, capsys):
     make_bf16_checkpoint(tmp_path / "bf16")
-    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
-    with pytest.raises(SimulatedInterruption):
-        _quantize_cli(tmp_path / "bf16", tmp_path / "out")
-    monkeypatch.delenv(FAIL_AFTER_ENV)
+    interrupted(quantize_checkpoint, tmp_path / "bf16", tmp_path / "out")
     with pytest.raises(
         FP8ConversionError, match=r"different parameters \(block_size\)"
     ):
@@ -837,12 +883,9 @@ def test_resume_with_different_parameters_is_refused(tmp_path, monkeypatch, caps
     assert flat(tmp_path / "out")["lm_head.weight"].dtype == torch.bfloat16
 
 
-def test_resume_refused_when_input_changed(tmp_path, monkeypatch):
+def test_resume_refused_when_input_changed(tmp_path):
     make_bf16_checkpoint(tmp_path / "bf16")
-    monkeypatch.setenv(FAIL_AFTER_ENV, "1")
-    with pytest.raises(SimulatedInterruption):
-        quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", progress=False)
-    monkeypatch.delenv(FAIL_AFTER_ENV)
+    interrupted(quantize_checkpoint, tmp_path / "bf16", tmp_path / "out")
     make_bf16_checkpoint(tmp_path / "bf16", seed=9)  # same names/shapes, new data
     with pytest.raises(FP8ConversionError, match="input shards changed"):
         quantize_checkpoint(tmp_path / "bf16", tmp_path / "out", progress=False)
@@ -961,17 +1004,27 @@ def test_existing_output_refused_untouched_unless_overwrite(tmp_path, capsys):
     assert tree_bytes(out) == {"keep.txt": b"precious"}
     with pytest.raises(FileExistsError, match="already exists"):
         quantize_checkpoint(tmp_path / "bf16", out)
-    assert _quantize_cli(tmp_path / "bf16", out, "--overwrite") == 0
+    # not an output of ours: --overwrite alone is refused, --force is needed too
+    assert _quantize_cli(tmp_path / "bf16", out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "not an ascend-fa FP8 conversion output" in err
+    assert "--overwrite --force" in err and len(err.strip().splitlines()) == 1
+    assert tree_bytes(out) == {"keep.txt": b"precious"}
+    assert _quantize_cli(tmp_path / "bf16", out, "--overwrite", "--force") == 0
     assert not (out / "keep.txt").exists()
     assert (out / "model.safetensors.index.json").is_file()
+    # an output of ours (it keeps the manifest) is replaced with --overwrite alone
+    assert _quantize_cli(tmp_path / "bf16", out, "--overwrite") == 0
     # an empty directory is not a completed output
     (tmp_path / "empty").mkdir()
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "empty") == 0
-    # a plain file in the way is refused too, and replaced with --overwrite
+    # a plain file in the way is refused too, and replaced with --overwrite --force
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="file already exists"):
         quantize_checkpoint(tmp_path / "bf16", tmp_path / "file")
-    assert _quantize_cli(tmp_path / "bf16", tmp_path / "file", "--overwrite") == 0
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "file", "--overwrite") == 2
+    args = ("--overwrite", "--force")
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "file", *args) == 0
     assert tree_bytes(tmp_path / "file") == tree_bytes(out)
 
 
@@ -1062,9 +1115,7 @@ def test_help_documents_regex_semantics(capsys):
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    env.pop(FAIL_AFTER_ENV, None)
-    return env
+    return dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
 
 
 def _cmd(tmp_path: Path, *extra: str) -> list[str]:
@@ -1072,6 +1123,12 @@ def _cmd(tmp_path: Path, *extra: str) -> list[str]:
         sys.executable,
         "-m",
         "ascend_fa",
+        *_args(tmp_path, *extra),
+    ]
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
         "fp8",
         "quantize",
         "--input",
@@ -1082,22 +1139,95 @@ def _cmd(tmp_path: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_subprocess_killed_then_resumed(tmp_path):
-    """The real command, stopped after one shard by the test hook (non-zero exit,
-    no OUTPUT), then resumed: byte-identical to a clean run."""
+# The real CLI in a child process; the test (not the package) makes the writer of
+# the second shard pause before it renames its file into place, so the signal lands
+# at a known point: shard 1 finished and recorded, shard 2 fully written to its
+# temporary file. With "term" the child handles SIGTERM by raising SystemExit(143),
+# as a CLI-wide signal handler does.
+_PAUSING_CHILD = r"""
+import signal, sys, time
+from ascend_fa.fp8 import convert
+
+class PausingWriter(convert.ShardWriter):
+    closed = 0
+
+    def close(self):
+        PausingWriter.closed += 1
+        if PausingWriter.closed == 2:
+            print("PAUSED", flush=True)
+            time.sleep(600)
+        return super().close()
+
+convert.ShardWriter = PausingWriter
+if sys.argv[1] == "term":
+    def on_term(signum, frame):
+        raise SystemExit(143)
+    signal.signal(signal.SIGTERM, on_term)
+from ascend_fa.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _start_paused(tmp_path: Path, mode: str) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSING_CHILD, mode, *_args(tmp_path, "--quiet")],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], 300)
+    line = proc.stdout.readline() if ready else ""
+    if line.strip() != "PAUSED":
+        proc.kill()
+        pytest.fail(f"child did not pause: {line!r} {proc.communicate()[1]}")
+    return proc
+
+
+def test_subprocess_sigkill_after_first_shard_then_resumed(tmp_path, caplog):
+    """The real command killed with SIGKILL (no cleanup possible) once the first
+    shard is recorded in the manifest and the second is written but not renamed;
+    the rerun resumes from the manifest and is byte-identical to a clean run."""
     make_bf16_checkpoint(tmp_path / "bf16")
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "clean") == 0
-    killed = subprocess.run(
-        _cmd(tmp_path),
-        env=dict(_env(), **{FAIL_AFTER_ENV: "1"}),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _start_paused(tmp_path, "kill")
+    partial = tmp_path / "out.partial"
+    manifest = json.loads((partial / fp8.MANIFEST_NAME).read_text())
+    assert list(manifest["done"]) == ["model-00001-of-00003.safetensors"]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert (partial / "model-00002-of-00003.safetensors.tmp").is_file()
+    assert not (tmp_path / "out").exists()
+    with caplog.at_level(logging.INFO, logger="ascend_fa.fp8"):
+        assert _quantize_cli(tmp_path / "bf16", tmp_path / "out") == 0
+    assert "1 of 3 shards already done" in caplog.text
+    assert not partial.exists()
+    assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_subprocess_signal_removes_temp_files_keeps_resume_state(tmp_path, sig):
+    make_bf16_checkpoint(tmp_path / "bf16")
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "clean") == 0
+    proc = _start_paused(tmp_path, "term" if sig == "SIGTERM" else "int")
+    os.kill(proc.pid, getattr(signal, sig))
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    if sig == "SIGTERM":
+        assert proc.returncode == 143
+    partial = tmp_path / "out.partial"
+    assert sorted(p.name for p in partial.iterdir()) == [
+        fp8.MANIFEST_NAME,
+        "model-00001-of-00003.safetensors",
+    ]
+    manifest = json.loads((partial / fp8.MANIFEST_NAME).read_text())
+    assert list(manifest["done"]) == ["model-00001-of-00003.safetensors"]
+    rerun = subprocess.run(
+        _cmd(tmp_path, "--quiet"), env=_env(), capture_output=True, text=True
     )
-    assert killed.returncode != 0
-    assert "SimulatedInterruption" in killed.stderr
-    assert (tmp_path / "out.partial").is_dir() and not (tmp_path / "out").exists()
-    assert _quantize_cli(tmp_path / "bf16", tmp_path / "out") == 0
+    assert rerun.returncode == 0, rerun.stderr
+    assert "1 shard(s) resumed" in rerun.stdout
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
 
 
@@ -1164,3 +1294,33 @@ def test_dequantize_scale_stored_in_another_shard(tmp_path):
     ref = naive_dequantize(src[weight], src[name], torch.bfloat16)
     assert_bit_equal(got[a.name][weight], ref)
     assert name not in got[b.name]
+
+
+def vllm_skips(prefix: str, ignored_layers: list[str]) -> bool:
+    """vLLM's default ``is_layer_skipped`` rule for a non-fused, non-expert layer:
+    the module name is a member of ``ignored_layers`` (vllm-project/vllm
+    vllm/model_executor/layers/quantization/utils/quant_utils.py)."""
+    return prefix in ignored_layers
+
+
+def test_ignored_layers_are_module_names_vllm_matches(tmp_path, caplog):
+    make_bf16_checkpoint(tmp_path / "bf16")
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "out") == 0
+    got = flat(tmp_path / "out")
+    qc = json.loads((tmp_path / "out" / "config.json").read_text())[
+        "quantization_config"
+    ]
+    ignored = qc["ignored_layers"]
+    for name, t in got.items():
+        if name.endswith(".weight") and t.dim() == 2:
+            module = name[: -len(".weight")]
+            assert vllm_skips(module, ignored) == (t.dtype != FP8), name
+    assert "model.layers.1.mlp.gate" in ignored and "lm_head" in ignored
+    assert not any(x.endswith(".weight") or "\\" in x for x in ignored)
+    # quantizing half of what vLLM fuses (q_a_proj + kv_a_proj_with_mqa) warns
+    with caplog.at_level(logging.WARNING, logger="ascend_fa.fp8"):
+        quantize_checkpoint(
+            tmp_path / "bf16", tmp_path / "half", ignore=["q_a_proj"], progress=False
+        )
+    assert "fused into one layer by vLLM" in caplog.text
+    assert "model.layers.0.self_attn.q_a_proj+kv_a_proj_with_mqa" in caplog.text

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
+
+__all__ = ["COMMAND", "HELP", "add_arguments", "run"]
 
 COMMAND = "fp8"
 HELP = "convert DeepSeek weights between BF16 and FP8 E4M3 with 128x128 block scales"
@@ -17,9 +18,12 @@ _REGEX_NOTE = (
 _ROBUST_NOTE = (
     "The output is written to OUTPUT.partial/ with a manifest of finished shards "
     "(size, sha256) and the conversion parameters, and renamed to OUTPUT when "
-    "complete. Rerunning the same command after an interruption resumes it (finished "
-    "shards are verified and skipped); a rerun with different parameters is refused. "
-    "An existing non-empty OUTPUT is refused unless --overwrite. Memory: each worker "
+    "complete; OUTPUT keeps the manifest. Rerunning the same command after an "
+    "interruption resumes it (finished shards are verified and skipped); a rerun "
+    "with different parameters is refused. An existing non-empty OUTPUT is refused "
+    "unless --overwrite, which replaces only an output of this command (one with "
+    "the manifest) unless --force is given too; OUTPUT must not be a symbolic link "
+    "nor overlap the input. Memory: each worker "
     "streams one chunk of whole block rows at a time (about 0.5 GiB per worker "
     "with the interpreter); --workers is capped by the number of shards, the CPU "
     "count and half of the available memory."
@@ -45,8 +49,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing OUTPUT (only once the new one is "
-        "complete) and discard an interrupted OUTPUT.partial/",
+        help="replace an existing OUTPUT written by this command (only once the "
+        "new one is complete) and discard an interrupted OUTPUT.partial/",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --overwrite: replace OUTPUT even if it is not an output of this "
+        "command",
     )
     p.add_argument(
         "-q",
@@ -57,7 +67,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ascend_fa.fp8 import DEFAULT_IGNORE, DEFAULT_INCLUDE
+    from ascend_fa.fp8.selection import DEFAULT_IGNORE, DEFAULT_INCLUDE
 
     sub = parser.add_subparsers(dest="fp8_command", metavar="ACTION", required=True)
     q = sub.add_parser(
@@ -97,9 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ignore",
         nargs="+",
         metavar="REGEX",
-        help="keep weights matching one of these in BF16; written to "
-        "quantization_config.ignored_layers "
-        f"(default: {' '.join(DEFAULT_IGNORE)})",
+        help="keep weights matching one of these in BF16 "
+        f"(default: {' '.join(DEFAULT_IGNORE)}); quantization_config.ignored_layers "
+        "lists the module names kept in BF16 (e.g. lm_head), the form vLLM matches",
     )
     q.set_defaults(_fp8_run=_quantize)
 
@@ -127,15 +137,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _report(result, verb: str) -> int:
-    log = logging.getLogger("ascend_fa.fp8")
-    extra = f", {len(result.resumed)} resumed" if result.resumed else ""
-    log.info(
-        "%s %d tensor(s) in %d shard(s)%s -> %s",
-        verb,
-        len(result.converted),
-        len(result.shards),
-        extra,
-        result.output,
+    extra = f", {len(result.resumed)} shard(s) resumed" if result.resumed else ""
+    print(
+        f"{verb} {len(result.converted)} tensor(s) in {len(result.shards)} "
+        f"shard(s){extra} -> {result.output}"
     )
     return 0
 
@@ -152,6 +157,7 @@ def _quantize(args: argparse.Namespace) -> int:
         ignore=args.ignore,
         workers=args.workers,
         overwrite=args.overwrite,
+        force=args.force,
         progress=not args.quiet,
     )
     return _report(result, "quantized")
@@ -167,10 +173,18 @@ def _dequantize(args: argparse.Namespace) -> int:
         allow_missing_scale=args.allow_missing_scale,
         workers=args.workers,
         overwrite=args.overwrite,
+        force=args.force,
         progress=not args.quiet,
     )
     return _report(result, "dequantized")
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._fp8_run(args))
+    from ascend_fa.errors import AscendFAError
+
+    from . import CLIError
+
+    try:
+        return int(args._fp8_run(args))
+    except AscendFAError as exc:  # one line, exit 2 (no traceback)
+        raise CLIError(str(exc)) from exc

@@ -1,0 +1,294 @@
+"""The output directory of a conversion: where it may go, the resume manifest, and
+the final rename.
+
+A conversion writes ``OUTPUT.partial/`` and renames it to ``OUTPUT`` when complete.
+``OUTPUT.partial/.ascend_fa_fp8_manifest.json`` records the parameters, the input
+shards (size, header hash, mtime) and every finished output shard (size, sha256);
+a rerun with the same parameters and inputs resumes from it. The finished output
+keeps the manifest (marked ``"complete": true``): it is how ``--overwrite``
+recognises a directory this tool wrote, and a checksum list of the shards.
+
+Rules (the output side of "never destroy what we did not make"):
+
+* ``OUTPUT`` may not be, contain or lie inside an input; it may not be a symbolic
+  link (dangling or not), and ``OUTPUT.partial`` is never written through a link
+  (with ``--overwrite`` the link itself is removed, never its target);
+* an existing non-empty ``OUTPUT`` is replaced only with ``overwrite``, and only if
+  it holds a manifest of ours, unless ``force`` is given as well;
+* the manifest is untrusted JSON: anything but the exact shape written here is a
+  one-line :class:`~ascend_fa.fp8.errors.FP8FormatError`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import OutputExistsError
+from .checkpoint import load_json
+from .errors import FP8FormatError, FP8InputError, FP8UnsafePathError
+from .safetensors_io import create_new_file, open_regular
+
+__all__ = [
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "file_sha256",
+    "finish_output",
+    "is_conversion_output",
+    "load_manifest",
+    "partial_dir",
+    "prepare_output",
+    "remove_temp_files",
+    "write_manifest",
+    "write_new_file",
+    "write_new_json",
+]
+
+log = logging.getLogger("ascend_fa.fp8")
+
+MANIFEST_NAME = ".ascend_fa_fp8_manifest.json"
+MANIFEST_FORMAT = "ascend-fa-fp8-manifest/1"
+_HASH_BYTES = 16 << 20
+
+
+def partial_dir(output: Path) -> Path:
+    return output.with_name(output.name + ".partial")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open_regular(path) as f:
+        while chunk := f.read(_HASH_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a freshly created ``path`` (never through a link)."""
+    fd = create_new_file(path)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def write_new_json(path: Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    write_new_file(path, text.encode("utf-8"))
+
+
+def _manifest_of(directory: Path) -> dict | None:
+    """The parsed manifest in ``directory``, or None if there is no valid one."""
+    path = directory / MANIFEST_NAME
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        body = load_json(path)
+    except FP8FormatError:
+        return None
+    return body if body.get("format") == MANIFEST_FORMAT else None
+
+
+def is_conversion_output(path: Path) -> bool:
+    """Whether ``path`` is a real directory holding a manifest of this tool."""
+    return path.is_dir() and not path.is_symlink() and _manifest_of(path) is not None
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def prepare_output(
+    output: Path, inputs: list[tuple[str, Path]], overwrite: bool, force: bool
+) -> Path:
+    """Check where the output may go (see the module doc) and clear what
+    ``overwrite`` allows; returns ``OUTPUT.partial`` (not created yet).
+
+    ``inputs`` are ``(option name, directory)`` pairs the output must keep clear of.
+    Nothing is written unless every check passed.
+    """
+    if output.is_symlink():
+        raise FP8UnsafePathError(
+            "is a symbolic link; refusing to write through it (give the real "
+            "directory, or remove the link)",
+            path=output,
+        )
+    out_r = output.resolve()
+    for what, d in inputs:
+        if _overlaps(out_r, d.resolve()):
+            raise FP8InputError(
+                f"output {output} must not be, contain or lie inside the {what} {d}",
+                path=output,
+            )
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        if not overwrite:
+            raise OutputExistsError(
+                f"output {output} already exists; pass --overwrite to replace it",
+                path=output,
+            )
+        if not force and not is_conversion_output(output):
+            raise OutputExistsError(
+                f"output {output} exists and is not an ascend-fa FP8 conversion "
+                f"output (no {MANIFEST_NAME}); pass --overwrite --force to replace "
+                "it anyway",
+                path=output,
+            )
+    partial = partial_dir(output)
+    if partial.is_symlink():
+        if not overwrite:
+            raise FP8UnsafePathError(
+                "is a symbolic link; refusing to write through it (remove it, or "
+                "pass --overwrite to remove the link, not its target)",
+                path=partial,
+            )
+        log.warning("removing the symbolic link %s (not its target)", partial)
+        partial.unlink()
+    elif partial.exists():
+        ours = partial.is_dir() and (
+            (partial / MANIFEST_NAME).is_file() or not any(partial.iterdir())
+        )
+        if overwrite and (ours or force):
+            if partial.is_dir():
+                shutil.rmtree(partial)
+            else:
+                partial.unlink()
+        elif not partial.is_dir() or overwrite:
+            raise OutputExistsError(
+                f"{partial} exists and is not a conversion in progress of ours; "
+                "remove it, or pass --overwrite --force",
+                path=partial,
+            )
+    return partial
+
+
+def _bad_manifest(partial: Path, why: str) -> FP8FormatError:
+    return FP8FormatError(
+        f"cannot resume {partial}: {why}; pass --overwrite to start over",
+        path=partial / MANIFEST_NAME,
+    )
+
+
+def _valid_record(rec: Any) -> bool:
+    return (
+        isinstance(rec, dict)
+        and isinstance(rec.get("size"), int)
+        and not isinstance(rec.get("size"), bool)
+        and rec["size"] >= 0
+        and isinstance(rec.get("sha256"), str)
+        and len(rec["sha256"]) == 64
+    )
+
+
+def load_manifest(
+    partial: Path, params: dict, inputs: dict, shard_names: set[str]
+) -> dict[str, dict]:
+    """Finished shards of an interrupted run (verified by size and sha256), or
+    ``{}`` for a fresh start (``partial`` is then created, empty)."""
+    if not partial.exists():
+        partial.mkdir(parents=True)
+        return {}
+    path = partial / MANIFEST_NAME
+    if path.is_symlink():
+        raise _bad_manifest(partial, f"{MANIFEST_NAME} is a symbolic link")
+    if not path.is_file():
+        if any(partial.iterdir()):
+            raise FP8InputError(
+                f"{partial} exists without a manifest (not a conversion in progress "
+                "of ours); delete it, or pass --overwrite --force to replace it",
+                path=partial,
+            )
+        return {}
+    try:
+        manifest = load_json(path)
+    except FP8FormatError as exc:
+        raise _bad_manifest(partial, exc.message) from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise _bad_manifest(partial, "unknown manifest format")
+    old_params, old_inputs, done = (
+        manifest.get(k) for k in ("params", "inputs", "done")
+    )
+    if not isinstance(old_params, dict) or not isinstance(old_inputs, dict):
+        raise _bad_manifest(partial, "the manifest lacks params or inputs")
+    if not isinstance(done, dict) or not all(_valid_record(r) for r in done.values()):
+        raise _bad_manifest(partial, "the manifest's done list is malformed")
+    stray = sorted(set(done) - shard_names)
+    if stray:
+        raise _bad_manifest(
+            partial, f"the manifest lists {stray[0]!r}, not an output shard"
+        )
+    if old_params != params:
+        diff = sorted(
+            k
+            for k in set(params) | set(old_params)
+            if params.get(k) != old_params.get(k)
+        )
+        raise FP8InputError(
+            f"cannot resume {partial}: the interrupted run used different parameters "
+            f"({', '.join(diff)}); rerun it with the same parameters, or pass "
+            "--overwrite to start over",
+            path=partial,
+        )
+    if old_inputs != inputs:
+        raise FP8InputError(
+            f"cannot resume {partial}: the input shards changed since the interrupted "
+            "run; pass --overwrite to start over",
+            path=partial,
+        )
+    verified = {}
+    for name, rec in done.items():
+        f = partial / name
+        if (
+            not f.is_symlink()
+            and f.is_file()
+            and f.stat().st_size == rec["size"]
+            and file_sha256(f) == rec["sha256"]
+        ):
+            verified[name] = rec
+        else:
+            log.warning("%s: finished shard failed verification; converting again", f)
+    return verified
+
+
+def write_manifest(
+    partial: Path, params: dict, inputs: dict, done: dict, complete: bool = False
+) -> None:
+    """Atomically replace the manifest (a reader sees the old or the new one)."""
+    body = {
+        "format": MANIFEST_FORMAT,
+        "complete": complete,
+        "params": params,
+        "inputs": inputs,
+        "done": dict(sorted(done.items())),
+    }
+    tmp = partial / (MANIFEST_NAME + ".tmp")
+    write_new_json(tmp, body)
+    os.replace(tmp, partial / MANIFEST_NAME)
+
+
+def remove_temp_files(partial: Path) -> None:
+    """Remove the ``*.tmp`` files an interrupted run left (killed workers, an
+    interrupted write); the finished shards and the manifest stay."""
+    if partial.is_dir() and not partial.is_symlink():
+        for stale in partial.glob("*.tmp"):
+            try:
+                stale.unlink()
+            except OSError as exc:  # a directory named *.tmp is not ours
+                log.warning("could not remove %s: %s", stale, exc.strerror)
+
+
+def finish_output(partial: Path, output: Path) -> None:
+    """Rename the finished ``partial`` to ``output``; an existing output (checked
+    by :func:`prepare_output`) is moved aside first and removed after."""
+    if output.exists() or output.is_symlink():
+        old = output.with_name(output.name + f".old-{os.getpid()}")
+        os.replace(output, old)
+        os.replace(partial, output)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        os.replace(partial, output)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedError
 from ._device import add_backend_argument, bench_backend, time_pair
-from ._util import print_table, write_json
+from ._util import print_table
+from .results import Record, verdict, write_results
 
 NAME = "attention"
 HELP = "paged decode attention (int8 / bf16 / MLA caches) vs SDPA on a dense fp32 cache"
@@ -49,6 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads for both sides (default: torch's default)",
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="sweep batch, context, heads (GQA and MLA), block size, layout and "
+        "mode; print each int8/float ratio with its memory-bound limit and the best "
+        "point (--quick: a small sweep)",
+    )
+    parser.add_argument(
+        "--plot", metavar="FILE.png", help="with --sweep: draw ratio vs context"
+    )
 
 
 def _paged(b, ctx, bs, gen):
@@ -88,12 +99,16 @@ def run(args: argparse.Namespace) -> int:
 
     backend = bench_backend(args.backend)
     dev = backend.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.sweep:
+        return _sweep(args, backend, dev)
+    if args.plot:
+        raise UnsupportedError("--plot draws a sweep: add --sweep")
     b = 2 if args.quick else args.batch
     ctx = 1024 if args.quick else args.context
     h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     repeats = 3 if args.quick else args.repeats
-    if args.threads:
-        torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     nb, table, slots = _paged(b, ctx, bs, gen)
     table, slots = table.to(dev), slots.to(dev)
@@ -126,9 +141,15 @@ def run(args: argparse.Namespace) -> int:
             vc = torch.zeros_like(kc)
             sc = (ks, vs) if dtype == torch.int8 else (None, None)
             reshape_and_cache(
-                key.bfloat16(), value.bfloat16(), kc, vc, slots, k_scale=sc[0],
-                v_scale=sc[1], layout=layout,
-            )  # fmt: skip
+                key.bfloat16(),
+                value.bfloat16(),
+                kc,
+                vc,
+                slots,
+                k_scale=sc[0],
+                v_scale=sc[1],
+                layout=layout,
+            )
             kw = dict(num_kv_heads=hkv, scale=scale, layout=layout)
             if mode != "float":
                 kw.update(k_scale=ks, v_scale=vs)
@@ -238,16 +259,69 @@ def run(args: argparse.Namespace) -> int:
     if goal_ratio is None:
         print(f"goal: int8-KV decode <= {GOAL}x SDPA time -> refused on {backend.name}")
     else:
-        verdict = "ok" if goal_ratio <= GOAL else "above goal"
-        print(
-            f"goal: int8-KV decode <= {GOAL}x SDPA time: {verdict} ({goal_ratio:.2f}x)"
-        )
-    write_json(
+        word = "ok" if goal_ratio <= GOAL else "above goal"
+        print(f"goal: int8-KV decode <= {GOAL}x SDPA time: {word} ({goal_ratio:.2f}x)")
+    shape = {"B": b, "H": h, "Hkv": hkv, "D": d, "context": ctx, "BS": bs}
+    write_results(
         args.json,
-        {
-            "backend": backend.name,
-            "shape": {"B": b, "H": h, "Hkv": hkv, "D": d, "context": ctx, "block": bs},
-            "results": results,
-        },
+        [
+            Record(
+                NAME,
+                backend.name,
+                r["cache"],
+                shape,
+                r["paged_s"],
+                repeats=repeats,
+                ratio=r["ratio"],
+                baseline="SDPA dense fp32",
+                goal=f"<= {GOAL}" if "int8-KV" in r["cache"] else None,
+                verdict=(
+                    verdict(r["ratio"], f"<= {GOAL}")
+                    if "int8-KV" in r["cache"]
+                    else None
+                ),
+                extra={
+                    "baseline_s": r["sdpa_s"],
+                    "cosine_vs_fp32": r["cosine_vs_fp32"],
+                },
+            )
+            for r in results
+        ],
+        backend=backend.name,
     )
+    return 0
+
+
+def _sweep(args: argparse.Namespace, backend, dev) -> int:
+    from .attention_sweep import SWEEP_HEADERS, plot_sweep, run_sweep
+
+    repeats = 3 if args.quick else args.repeats
+    rows, records, best = run_sweep(
+        backend.name, dev, quick=args.quick, repeats=repeats
+    )
+    title = (
+        f"decode sweep on {backend.name} ({dev}), D={128}, int8 mode vs bf16 cache "
+        f"(torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    )
+    print_table(SWEEP_HEADERS, rows, title=title)
+    print(
+        "limit: bytes moved by the int8 mode / bytes moved by the float cache "
+        "(the memory-bound best ratio); closeness = limit / measured ratio"
+    )
+    if best is None:
+        print("best: none (every point was refused)")
+    else:
+        rec = next(
+            r for r in records if r.mode == best.mode and r.params == best.params()
+        )
+        print(
+            f"best: {best.mode} B={best.batch} context={best.context} "
+            f"H/Hkv={best.heads}/{best.kv_heads} BS={best.block} "
+            f"layout={best.layout.upper()}: {rec.ratio:.3f}x of float "
+            f"(limit {rec.extra['limit']:.3f}, closeness {rec.extra['closeness']:.2f})"
+        )
+    write_results(args.json, records, backend=backend.name)
+    if args.plot and records:
+        plot_sweep(records, args.plot, title)
+        print(f"wrote {args.plot}")
     return 0

@@ -54,7 +54,11 @@ def test_bench_layout_quick_prints_ratios(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "nd_to_nz GB/s" in out and "vs clone" in out
     data = json.loads(path.read_text())
-    assert data["bench"] == "layout" and len(data["results"]) == 2
+    assert data["schema"] == "ascend-fa-bench/1" and len(data["records"]) == 4
+    assert {r["mode"] for r in data["records"]} == {"nd_to_nz", "nz_to_nd"}
+    assert all(
+        r["benchmark"] == "layout" and r["backend"] == "cpu" for r in data["records"]
+    )
 
 
 def test_doctor_lists_packages_and_main_job(monkeypatch, capsys):

@@ -1261,8 +1261,10 @@ def test_bench_fp8_quick_reports_every_op(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert "| quantize" in text and "| dequantize" in text and "vs copy" in text
-    res = json.loads(out.read_text())["results"]
-    assert set(res) == {"copy bf16", "quantize", "copy fp8", "dequantize"}
+    doc = json.loads(out.read_text())
+    res = {r["mode"]: r["extra"] for r in doc["records"]}
+    assert set(res) == {"copy_bf16", "quantize", "copy_fp8", "dequantize"}
+    assert {r["baseline"] for r in doc["records"]} == {None, "copy bf16", "copy fp8"}
     # FP8 halves the bytes: the dequantize input is about half the quantize input
     assert 0.45 < res["dequantize"]["in_bytes"] / res["quantize"]["in_bytes"] < 0.55
     assert all(

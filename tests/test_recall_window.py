@@ -269,8 +269,9 @@ def test_benchmark_smoke(tmp_path, monkeypatch, capsys):
     text = capsys.readouterr().out
     assert "identical in every case: yes" in text
     payload = json.loads(out.read_text())
-    assert payload["results"][0]["identical"] is True
-    assert payload["results"][0]["N"] == 5000
+    first = payload["records"][0]
+    assert first["extra"]["identical"] is True and first["verdict"] in ("ok", "miss")
+    assert first["params"]["N"] == 5000 and first["mode"] == "recall_window"
     # the in-process memory probe returns a byte count (or None without /proc)
     extra = bench._measure_extra(2, 5000, 0.999, "fast")
     assert extra is None or 0 <= extra < 64 << 20

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ._util import MiB, print_table, time_fn, write_json
+from ._util import MiB, print_table, time_fn
+from .results import Record, verdict, write_results
 
 NAME = "calibration"
 HELP = "exact recall window (topk of tails) vs full-sort reference; observer update"
@@ -213,8 +214,43 @@ def run(args: argparse.Namespace) -> int:
         f"{'yes' if all_ok else 'NO'}",
         flush=True,
     )
-    write_json(
-        getattr(args, "json", None),
-        {"benchmark": NAME, "ratio": ratio, "quick": quick, "results": results},
-    )
+    records = []
+    for r in results:
+        if "speedup" in r:
+            speed_ok = verdict(r["speedup"], ">= 20")
+            extra_ok = (
+                r["extra_bytes"] is None or r["extra_bytes"] < 0.25 * r["input_bytes"]
+            )
+            records.append(
+                Record(
+                    NAME,
+                    "cpu",
+                    "recall_window",
+                    {"H": r["H"], "N": r["N"], "ratio": ratio},
+                    r["recall_window_s"],
+                    ratio=r["speedup"],
+                    baseline="full sort",
+                    goal=">= 20",
+                    verdict="ok"
+                    if speed_ok == "ok" and extra_ok and r["identical"]
+                    else "miss",
+                    extra={
+                        "baseline_s": r["sort_ref_s"],
+                        "identical": r["identical"],
+                        "extra_bytes": r["extra_bytes"],
+                    },
+                )
+            )
+        else:
+            records.append(
+                Record(
+                    NAME,
+                    "cpu",
+                    "observer_update",
+                    {"shape": r["observer_shape"], "dtype": r["dtype"]},
+                    r["update_s"],
+                    repeats=3,
+                )
+            )
+    write_results(getattr(args, "json", None), records, backend="cpu")
     return 0 if all_ok else 1

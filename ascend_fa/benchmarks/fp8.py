@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._util import MiB, gbps, print_table, write_json
+from ._util import MiB, gbps, print_table
+from .results import Record, verdict, write_results
 
 NAME = "fp8"
 HELP = "FP8 block quantize/dequantize of a checkpoint vs a plain safetensors copy"
@@ -276,5 +277,23 @@ def run(args: argparse.Namespace) -> int:
             "note: --quick shards are tiny, so the interpreter's idle RSS dominates "
             "the RSS ratio; the memory goal is meant for full-size shards"
         )
-    write_json(args.json, {"bench": NAME, "workers": args.workers, "results": results})
+    baselines = {"quantize": "copy bf16", "dequantize": "copy fp8"}
+    records = []
+    for label, r in results.items():
+        goal = f">= {SPEED_GOAL}" if label in baselines else None
+        records.append(
+            Record(
+                NAME,
+                "cpu",
+                label.replace(" ", "_"),
+                {"workers": args.workers, "input_bytes": r["in_bytes"]},
+                r["seconds"],
+                ratio=r.get("vs_copy"),
+                baseline=baselines.get(label),
+                goal=goal,
+                verdict=verdict(r.get("vs_copy"), goal),
+                extra={k: v for k, v in r.items() if k != "seconds"},
+            )
+        )
+    write_results(args.json, records, backend="cpu")
     return 0

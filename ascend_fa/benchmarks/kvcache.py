@@ -25,7 +25,8 @@ import torch
 
 from ..errors import UnsupportedError
 from ._device import add_backend_argument, bench_backend, time_pair
-from ._util import gbps, print_table, write_json
+from ._util import gbps, print_table
+from .results import Record, verdict, write_results
 
 NAME = "kvcache"
 HELP = "reshape_and_cache GB/s vs torch.clone (float/int8, NZ/ND, GQA/MLA), KV bytes"
@@ -187,11 +188,16 @@ def run(args: argparse.Namespace) -> int:
                 goals.append((label, ratio))
             rows.append(
                 [
-                    label, pattern, t, round(nbytes / 2**20, 2),
-                    gbps(nbytes, t_clone), gbps(nbytes, t_write), f"{ratio:.2f}x",
+                    label,
+                    pattern,
+                    t,
+                    round(nbytes / 2**20, 2),
+                    gbps(nbytes, t_clone),
+                    gbps(nbytes, t_write),
+                    f"{ratio:.2f}x",
                     t_write * 1e3,
                 ]
-            )  # fmt: skip
+            )
             results.append(
                 {
                     "cache": label,
@@ -208,32 +214,68 @@ def run(args: argparse.Namespace) -> int:
         f" MLA R=512 Dr=64 (torch {torch.__version__}, {torch.get_num_threads()} "
         "threads)"
     )
-    headers = ["cache", "slots", "T", "MiB written", "clone GB/s", "write GB/s",
-               "vs clone", "write ms"]  # fmt: skip
+    headers = [
+        "cache",
+        "slots",
+        "T",
+        "MiB written",
+        "clone GB/s",
+        "write GB/s",
+        "vs clone",
+        "write ms",
+    ]
     print_table(headers, rows, title=title)
     for label, ratio in goals:
-        verdict = "ok" if ratio >= GOAL_WRITE else "below goal"
-        print(f"goal {label} prefill >= {GOAL_WRITE}x clone: {verdict} ({ratio:.2f}x)")
+        word = "ok" if ratio >= GOAL_WRITE else "below goal"
+        print(f"goal {label} prefill >= {GOAL_WRITE}x clone: {word} ({ratio:.2f}x)")
     mem = _bytes_per_token(hkv, d, bs, args.context)
     ratio8 = mem[1][3]
-    verdict = "ok" if ratio8 <= GOAL_BYTES else "above goal"
-    print(f"goal int8 K+V bytes/token <= {GOAL_BYTES}x bf16: {verdict} ({ratio8:.3f}x)")
+    word = "ok" if ratio8 <= GOAL_BYTES else "above goal"
+    print(f"goal int8 K+V bytes/token <= {GOAL_BYTES}x bf16: {word} ({ratio8:.3f}x)")
     print()
     print_table(
         ["cache", "contents", "bytes/token/layer", "vs bf16", f"<= {GOAL_BYTES}"],
         mem,
         title=f"KV-cache bytes per token (scales amortized over {args.context} tokens)",
     )
-    write_json(
+    goal_labels = {g for g, _ in goals}
+    records = []
+    for r in results:
+        goal = (
+            f">= {GOAL_WRITE}"
+            if r["cache"] in goal_labels and r["slots"] == "prefill"
+            else None
+        )
+        records.append(
+            Record(
+                NAME,
+                backend.name,
+                r["cache"],
+                {
+                    "slots": r["slots"],
+                    "T": r["tokens"],
+                    "Hkv": hkv,
+                    "D": d,
+                    "BS": bs,
+                    "bytes": r["bytes"],
+                },
+                r["write_s"],
+                ratio=r["vs_clone"],
+                baseline="clone",
+                goal=goal,
+                verdict=verdict(r["vs_clone"], goal),
+                extra={"baseline_s": r["clone_s"]},
+            )
+        )
+    write_results(
         args.json,
-        {
-            "backend": backend.name,
-            "writes": results,
-            "goals": [{"cache": g, "vs_clone": r} for g, r in goals],
+        records,
+        backend=backend.name,
+        extra={
             "bytes_per_token": [
-                {"cache": r[0], "contents": r[1], "bytes": r[2], "ratio": r[3]}
-                for r in mem
-            ],
+                {"cache": m[0], "contents": m[1], "bytes": m[2], "ratio": m[3]}
+                for m in mem
+            ]
         },
     )
     return 0

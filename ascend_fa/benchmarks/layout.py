@@ -11,7 +11,8 @@ import argparse
 
 import torch
 
-from ._util import MiB, gbps, print_table, time_fn, write_json
+from ._util import MiB, gbps, print_table, time_fn
+from .results import Record, verdict, write_results
 
 NAME = "layout"
 HELP = "nd_to_nz / nz_to_nd throughput (GB/s) vs torch.clone, fp16 and int8"
@@ -101,5 +102,26 @@ def run(args: argparse.Namespace) -> int:
     if worst != float("inf"):
         status = "met" if worst >= GOAL else "NOT met"
         print(f"goal >= {GOAL}x of clone at >= 64 MiB: {status} (worst {worst:.2f}x)")
-    write_json(args.json, {"bench": NAME, "results": results})
+    records = []
+    for r in results:
+        params = {"dtype": r["dtype"], "MiB": r["size_mib"]}
+        goal = f">= {GOAL}" if r["size_mib"] >= 64 else None
+        for op in ("nd_to_nz", "nz_to_nd"):
+            ratio = r["clone_s"] / r[f"{op}_s"]
+            records.append(
+                Record(
+                    NAME,
+                    "cpu",
+                    op,
+                    params,
+                    r[f"{op}_s"],
+                    repeats=repeats,
+                    ratio=ratio,
+                    baseline="clone",
+                    goal=goal,
+                    verdict=verdict(ratio, goal),
+                    extra={"baseline_s": r["clone_s"]},
+                )
+            )
+    write_results(args.json, records, backend="cpu")
     return 0

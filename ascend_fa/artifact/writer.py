@@ -279,6 +279,9 @@ def atomic_output_dir(
     untouched; the two renames that swap the new output in are not interrupted by
     either signal. What a killed run left behind is cleaned up on the next run.
     """
+    output = Path(output).absolute()
+    if output.parent.is_dir():
+        _clean_stale(output)
     output = check_output_dir(output, overwrite=overwrite, force=force)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +290,6 @@ def atomic_output_dir(
             f"cannot create the output's parent directory: {exc.strerror}",
             path=output.parent,
         ) from None
-    _clean_stale(output)
     tmp = Path(
         tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent)
     )

@@ -138,6 +138,14 @@ def _resolve(
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_INDEX = "model.safetensors.index.json"
 _GGUF_MAGIC = b"GGUF"
+#: Other JSON files of a checkpoint that transformers reads as objects.
+_JSON_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 def read_model_config(source_dir: str | Path) -> dict[str, Any]:
@@ -186,6 +194,9 @@ def check_model_files(source_dir: str | Path, gguf_file: str | None = None) -> N
             raise FileFormatError("not a GGUF file (no GGUF magic)", path=path)
         return
     read_model_config(source_dir)
+    for name in _JSON_FILES:
+        if os.path.lexists(source_dir / name):
+            read_json_object(source_dir / name, what=name)
     index = source_dir / _SAFE_INDEX
     if os.path.lexists(index):
         data = read_json_object(index, what="weights index")
@@ -263,8 +274,13 @@ def load_model(
     """
     import sys
 
+    import huggingface_hub.errors as hub_errors
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    # huggingface_hub validates config fields (a vocab_size that is a string ...)
+    # with its own exception class.
+    load_errors = (*_LOAD_ERRORS, getattr(hub_errors, "StrictDataclassError", OSError))
 
     if not sys.stderr.isatty():
         # Progress bars belong on a terminal; in logs they are noise.
@@ -278,13 +294,24 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(source_dir, **kwargs)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        net = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype, **kwargs)
-    except _LOAD_ERRORS as exc:
+        net, info = AutoModelForCausalLM.from_pretrained(
+            source_dir, dtype=dtype, output_loading_info=True, **kwargs
+        )
+    except load_errors as exc:
         # The files passed the checks above; what transformers still refuses (an
         # unknown model_type, a tokenizer file it cannot parse, tensors that do not
         # fit the config) is the checkpoint's problem: one line naming it.
         text = " ".join(str(exc).split()) or type(exc).__name__
         raise FileFormatError(f"cannot load the model: {text}", path=where) from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and not gguf:
+        # transformers fills missing tensors with random values and only warns;
+        # calibrating those would give scales for a model nobody has.
+        raise FileFormatError(
+            f"the weights lack {len(missing)} tensor(s) the model needs (e.g. "
+            f"{missing[0]}); they would be random",
+            path=where,
+        )
     net.eval()
     return LoadedModel(
         model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf

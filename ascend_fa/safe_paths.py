@@ -38,6 +38,7 @@ import os
 import shutil
 import signal
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ __all__ = [
     "plain_dir_mode",
     "apply_plain_modes",
     "check_output_parent",
+    "check_output_file",
+    "write_file",
     "signals_deferred",
 ]
 
@@ -277,3 +280,37 @@ def check_output_parent(path: str | os.PathLike[str]) -> None:
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError("directory is not writable", path=parent)
+
+
+def check_output_file(path: str | os.PathLike[str], *, what: str = "output") -> Path:
+    """The refusals of :func:`write_file`, made before the work that produces the
+    file: ``path`` is not a symlink, not a directory, and its parent can be
+    written. Returns ``path``."""
+    path = Path(path)
+    refuse_symlink(path, what=what)
+    if path.is_dir():
+        raise InputError(f"{what} is a directory; give a file name", path=path)
+    check_output_parent(path)
+    return path
+
+
+def write_file(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (a temporary file beside it renamed
+    over it) with the plain-file mode; never through a symlink. The parent
+    directory is created when missing."""
+    path = check_output_file(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.chmod(tmp, plain_file_mode())
+        with signals_deferred():
+            refuse_symlink(path)
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path

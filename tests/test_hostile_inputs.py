@@ -790,3 +790,80 @@ def test_fresh_dir_removes_a_link_never_its_target(tmp_path):
         fresh_dir(made)
     (made / "g").write_text("1")
     assert list(fresh_dir(made, replace=True).iterdir()) == []
+
+
+# -- --json files of eval / emulate ---------------------------------------------
+
+
+@pytest.mark.parametrize("verb", ["eval", "emulate"])
+@pytest.mark.parametrize("case", ["dangling", "directory", "in_model", "in_artifact"])
+def test_json_output_refused_before_the_run(world, artifact, capsys, loads, verb, case):
+    art = _art_copy(artifact, world / "art")
+    target = {
+        "dangling": world / "res.json",
+        "directory": world / "model",
+        "in_model": world / "model" / "config.json",
+        "in_artifact": art / "config.json",
+    }[case]
+    if case == "dangling":
+        os.symlink(world / "elsewhere.json", target)
+    before = snapshot(world)
+    rc = main(
+        [verb, "--model", str(world / "model"), "--artifact", str(art)]
+        + ["--json", str(target)]
+    )
+    one_line_error(capsys, rc, verb, "--json")
+    assert loads.calls == 0 and snapshot(world) == before
+
+
+def test_write_file_is_atomic_and_plain(tmp_path):
+    from ascend_fa.safe_paths import write_file
+
+    old = os.umask(0o022)
+    try:
+        p = write_file(tmp_path / "sub" / "r.json", "{}")
+    finally:
+        os.umask(old)
+    assert p.read_text() == "{}" and stat.S_IMODE(p.stat().st_mode) == 0o644
+    assert sorted(x.name for x in p.parent.iterdir()) == ["r.json"]
+    os.symlink(tmp_path / "victim", tmp_path / "link.json")
+    with pytest.raises(UnsafePathError):
+        write_file(tmp_path / "link.json", "x")
+    assert not (tmp_path / "victim").exists()
+
+
+def _edit_config(model: Path, **changes) -> None:
+    cfg = json.loads((model / "config.json").read_text())
+    cfg.update(changes)
+    (model / "config.json").write_text(json.dumps(cfg))
+
+
+def _drop_tensor(model: Path) -> None:
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("breaker", "problem"),
+    [
+        (lambda m: _edit_config(m, vocab_size="abc"), "vocab_size"),
+        (lambda m: _edit_config(m, hidden_size=-4), "hidden size"),
+        (lambda m: _edit_config(m, model_type="nosuchmodel"), "nosuchmodel"),
+        (
+            lambda m: (m / "tokenizer_config.json").write_text("[1]"),
+            "tokenizer_config.json",
+        ),
+        (lambda m: (m / "tokenizer.json").write_text("garbage{"), "tokenizer.json"),
+        (_drop_tensor, "q_proj.weight"),
+    ],
+)
+def test_checkpoint_transformers_refuses(world, capsys, breaker, problem):
+    """What only transformers can judge still ends in one line naming the model;
+    missing tensors (which transformers would fill with random values) too."""
+    model = world / "model"
+    breaker(model)
+    before = snapshot(world)
+    rc = calibrate(model, "--output", str(world / "out"))
+    one_line_error(capsys, rc, "calibrate", str(model), problem)
+    assert snapshot(world) == before

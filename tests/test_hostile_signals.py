@@ -186,8 +186,18 @@ def test_calibrate_killed_leftovers_cleaned_by_next_run(tmp_path, tiny):
     ("verb", "gate", "sig"),
     [
         ("eval", "ascend_fa.evaluation.evaluate", signal.SIGINT),
-        ("emulate", "ascend_fa.emulation.verb.greedy_plain", signal.SIGTERM),
-        ("inspect", "ascend_fa.artifact.inspect_artifact", signal.SIGINT),
+        pytest.param(
+            "emulate",
+            "ascend_fa.emulation.verb.greedy_plain",
+            signal.SIGTERM,
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "inspect",
+            "ascend_fa.artifact.inspect_artifact",
+            signal.SIGINT,
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_other_verbs_interrupted(tmp_path, tiny, artifact, verb, gate, sig):

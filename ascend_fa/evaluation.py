@@ -93,17 +93,18 @@ def load_eval_text(source: str | Path) -> str:
     """
     if isinstance(source, str) and source in EVAL_SETS:
         return eval_text_path(source).read_text(encoding="utf-8")
-    path = Path(source)
-    if not path.is_file():
-        raise FileNotFoundError(f"evaluation data not found: {path}")
-    from ascend_fa.calibration.data import load_calib_texts
+    from ascend_fa.calibration.data import MAX_CALIB_BYTES, load_calib_texts
+    from ascend_fa.safe_files import read_text
 
-    text = path.read_text(encoding="utf-8")
+    path = Path(source)
+    text = read_text(path, limit=MAX_CALIB_BYTES, what="evaluation data")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
     if path.suffix.lower() in (".jsonl", ".json") or first.lstrip().startswith("{"):
         return "\n\n".join(load_calib_texts(path))
     if not text.strip():
-        raise ValueError(f"{path}: evaluation file is empty")
+        from ascend_fa.errors import FileFormatError
+
+        raise FileFormatError("evaluation file is empty", path=path)
     return text
 
 
@@ -245,14 +246,16 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
     FA tensors.
     """
     from ascend_fa.artifact.reader import read_fa_scales
+    from ascend_fa.errors import FileFormatError, NotFoundError
 
     path = Path(directory)
     if not path.is_dir():
-        raise FileNotFoundError(f"artifact not found: {path}")
+        raise NotFoundError(f"artifact not found: {path}", path=path)
     scales = read_fa_scales(path)
     if not scales:
-        raise ValueError(
-            f"artifact {path} has no FA scales (no <attn>.fa_{{q,k,v}}.scale tensors)"
+        raise FileFormatError(
+            f"artifact {path} has no FA scales (no <attn>.fa_{{q,k,v}}.scale tensors)",
+            path=path,
         )
     return scales
 

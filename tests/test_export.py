@@ -348,7 +348,11 @@ def test_output_exists_refused_unless_overwrite(tmp_path):
     ):
         export_artifact(out, **kw)
     assert (out / "keep.txt").read_text() == "old"
-    export_artifact(out, overwrite=True, **kw)
+    # not an artifact of ours: --overwrite alone does not replace it
+    with pytest.raises(FileExistsError, match="pass --force as well"):
+        export_artifact(out, overwrite=True, **kw)
+    assert (out / "keep.txt").read_text() == "old"
+    export_artifact(out, overwrite=True, force=True, **kw)
     assert not (out / "keep.txt").exists() and (out / WEIGHTS_NAME).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
     (tmp_path / "file").write_text("x")
@@ -379,6 +383,7 @@ def test_write_failure_leaves_nothing_behind(tmp_path, monkeypatch, existing):
             fa_quant_type="FAQuant",
             max_shard_size="2KB",
             overwrite=existing,
+            force=existing,
         )
     assert len(calls) == 2  # failed mid-way, after one shard was written
     if existing:

@@ -26,7 +26,11 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from ascend_fa.errors import FileFormatError, InputError
+from ascend_fa.safe_files import read_text
+
 __all__ = [
+    "MAX_CALIB_BYTES",
     "TEXT_FIELDS",
     "default_calib_path",
     "load_calib_texts",
@@ -35,6 +39,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Largest calibration file read (calibration sets are a few MiB at most).
+MAX_CALIB_BYTES = 1 << 30
 #: JSONL fields searched for the sample text, in priority order.
 TEXT_FIELDS = ("inputs_pretokenized", "text", "prompt")
 
@@ -59,12 +65,16 @@ def _parse_jsonl(path: Path, text: str) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(
+            raise FileFormatError(
                 f"{path}: line {lineno}: malformed JSON line ({exc.msg} at column "
                 f"{exc.colno})"
             ) from None
+        except RecursionError:
+            raise FileFormatError(
+                f"{path}: line {lineno}: JSON nested too deeply"
+            ) from None
         if not isinstance(record, dict):
-            raise ValueError(
+            raise FileFormatError(
                 f"{path}: line {lineno}: expected a JSON object, got "
                 f"{type(record).__name__}"
             )
@@ -77,7 +87,7 @@ def _parse_jsonl(path: Path, text: str) -> list[str]:
             None,
         )
         if value is None:
-            raise ValueError(
+            raise FileFormatError(
                 f"{path}: line {lineno}: no non-empty text field; expected one of "
                 f"{', '.join(TEXT_FIELDS)}"
             )
@@ -88,19 +98,20 @@ def _parse_jsonl(path: Path, text: str) -> list[str]:
 def load_calib_texts(path: str | Path | None = None) -> list[str]:
     """The samples of ``path`` (default: the packaged set), in file order.
 
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` for an empty
-    file or a bad JSONL line (the message names the line number).
+    Raises :class:`~ascend_fa.errors.NotFoundError` (a ``FileNotFoundError``) for
+    a missing file and :class:`~ascend_fa.errors.FileFormatError` (a
+    ``ValueError``) for a file that is empty, not UTF-8 text, not a regular file,
+    larger than :data:`MAX_CALIB_BYTES`, or has a bad JSONL line (the message names
+    the line number).
     """
     path = default_calib_path() if path is None else Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"calibration data not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, limit=MAX_CALIB_BYTES, what="calibration data")
     if _is_jsonl(path, text):
         samples = _parse_jsonl(path, text)
     else:
         samples = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
     if not samples:
-        raise ValueError(f"{path}: calibration file is empty (no samples)")
+        raise FileFormatError(f"{path}: calibration file is empty (no samples)")
     return samples
 
 
@@ -111,15 +122,15 @@ def split_calibration(
     report, and return ``(first num of the rest, held out)``. ``ascend-fa
     calibrate`` and ``ascend-fa eval --compare-methods`` use the same split."""
     if num <= 0:
-        raise ValueError(f"--num-samples must be > 0, got {num}")
+        raise InputError(f"--num-samples must be > 0, got {num}")
     if heldout < 0:
-        raise ValueError(f"--heldout must be >= 0, got {heldout}")
+        raise InputError(f"--heldout must be >= 0, got {heldout}")
     order = list(texts)
     random.Random(seed).shuffle(order)
     held = order[len(order) - heldout :] if heldout else []
     pool = order[: len(order) - len(held)]
     if not pool:
-        raise ValueError(
+        raise InputError(
             f"--heldout {heldout} leaves no calibration sample "
             f"(the data has {len(texts)})"
         )

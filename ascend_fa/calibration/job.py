@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ascend_fa.errors import InputError, OutputExistsError
+from ascend_fa.errors import InputError
 
 __all__ = ["CalibrationResult", "calibrate", "default_recipe_path"]
 
@@ -54,7 +54,12 @@ class CalibrationResult:
             f"{t.get('load', 0):.1f} s, held-out eval {t.get('heldout', 0):.1f} s)"
         ]
         h, s = self.heldout, self.report.get("summary", {})
-        if h:
+        if h and not h.get("tokens"):
+            lines.append(
+                f"held-out ({h['num_samples']} samples): no token to predict at "
+                "this --max-length; no perplexity"
+            )
+        elif h:
             lines.append(
                 f"held-out ({h['num_samples']} samples, {h['tokens']} tokens): "
                 f"perplexity float {h['perplexity_float']:.4f}, fake-quant "
@@ -89,6 +94,31 @@ def _check_positive(**values: int) -> None:
             raise InputError(f"--{flag.replace('_', '-')} must be > 0, got {value!r}")
 
 
+def _check_locations(
+    model: str | Path | None,
+    output: str | Path | None,
+    merge_into: str | Path | None,
+    *,
+    overwrite: bool,
+    force: bool,
+) -> None:
+    """Every refusal about where we read and write, before the model loads: the
+    output is not the model or the merge target, nor inside or around them; it is
+    not a symlink, and replaces only what ``overwrite``/``force`` allow; the merge
+    target is a readable msModelSlim export."""
+    from ascend_fa.artifact.reader import check_merge_target
+    from ascend_fa.artifact.writer import check_output_dir
+    from ascend_fa.safe_paths import check_disjoint
+
+    if output is not None:
+        check_disjoint(output, {"--model": model, "--merge-into": merge_into})
+        check_output_dir(output, overwrite=overwrite, force=force)
+    if merge_into is not None:
+        check_merge_target(merge_into)
+        if output is None:
+            check_output_dir(merge_into, overwrite=True, force=True)
+
+
 def calibrate(
     model: str | Path | None = None,
     *,
@@ -101,6 +131,7 @@ def calibrate(
     batch_size: int = 4,
     backend: str | None = None,
     overwrite: bool = False,
+    force: bool = False,
     merge_into: str | Path | None = None,
     max_shard_size: str | int = "5GB",
     seed: int = 0,
@@ -131,18 +162,7 @@ def calibrate(
         num_samples=num_samples, max_length=max_length, batch_size=batch_size
     )
     artifact.parse_size(max_shard_size)
-    if output is not None and merge_into is None:
-        out = Path(output)
-        if (
-            out.exists()
-            and (not out.is_dir() or any(out.iterdir()))
-            and (not overwrite)
-        ):
-            raise OutputExistsError(
-                "output directory exists and is not empty; pass --overwrite to "
-                "replace it",
-                path=out,
-            )
+    _check_locations(model, output, merge_into, overwrite=overwrite, force=force)
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
     calib, held = split_calibration(texts, num_samples, heldout, seed)
@@ -220,6 +240,7 @@ def calibrate(
             report=report,
             extra_files=extra_files,
             overwrite=overwrite,
+            force=force,
         )
     else:
         assert output is not None
@@ -241,6 +262,7 @@ def calibrate(
             extra_files=extra_files,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
+            force=force,
         )
     return CalibrationResult(
         output=Path(dest),

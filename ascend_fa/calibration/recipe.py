@@ -51,6 +51,9 @@ from pydantic import (
     model_validator,
 )
 
+from ascend_fa.errors import AscendFAError, FileFormatError
+from ascend_fa.safe_files import read_text
+
 from .placeholder import FA_BRANCHES
 
 __all__ = [
@@ -66,11 +69,29 @@ __all__ = [
     "expand_braces",
     "match_pattern",
     "PROCESSOR_TYPE",
+    "MAX_RECIPE_BYTES",
+    "MAX_RECIPE_DEPTH",
+    "MAX_PATTERN_CHARS",
+    "MAX_BRACE_GROUPS",
+    "MAX_EXPANSIONS",
+    "MAX_PATTERNS",
+    "MAX_TOTAL_EXPANSIONS",
 ]
 
 logger = logging.getLogger(__name__)
 
 PROCESSOR_TYPE = "fa3_quant"
+#: Largest recipe document, in bytes (the packaged recipes are under 2 KiB).
+MAX_RECIPE_BYTES = 64 * 1024
+#: Deepest nesting of YAML collections in a recipe.
+MAX_RECIPE_DEPTH = 32
+#: Longest include/exclude pattern, its brace groups, and the patterns it expands
+#: to; patterns per include/exclude list; expanded patterns in the whole recipe.
+MAX_PATTERN_CHARS = 1024
+MAX_BRACE_GROUPS = 16
+MAX_EXPANSIONS = 4096
+MAX_PATTERNS = 4096
+MAX_TOTAL_EXPANSIONS = 16384
 #: Defaults from the seed: Q and K keep 99.99 % of samples, V keeps all.
 DEFAULT_RATIOS = {"q": 0.9999, "k": 0.9999, "v": 1.0}
 
@@ -80,8 +101,9 @@ Accumulate = Literal["union", "pooled"]
 Ratio = StrictFloat
 
 
-class RecipeError(ValueError):
-    """A recipe failed to parse or validate; the message names path and line."""
+class RecipeError(FileFormatError):
+    """A recipe failed to parse or validate; the message names path and line (a
+    :class:`~ascend_fa.errors.FileFormatError`, so also a ``ValueError``)."""
 
 
 def _check_ratio_value(v: float | None) -> float | None:
@@ -126,13 +148,22 @@ class BranchSettings(_Strict):
     max_samples: int | None
 
 
-@functools.lru_cache(maxsize=4096)
-def expand_braces(pattern: str) -> tuple[str, ...]:
-    """Shell brace expansion: ``"a.{3,5}.b"`` -> ``("a.3.b", "a.5.b")``.
+def _check_pattern(pattern: str) -> None:
+    """Bounded work per pattern: a recipe is untrusted input, and brace groups
+    multiply (22 two-way groups are 4 million patterns)."""
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(
+            f"pattern is {len(pattern)} characters long; at most "
+            f"{MAX_PATTERN_CHARS} are allowed"
+        )
+    groups = pattern.count("{")
+    if groups > MAX_BRACE_GROUPS:
+        raise ValueError(
+            f"pattern has {groups} brace groups; at most {MAX_BRACE_GROUPS} are allowed"
+        )
 
-    Braces nest; a brace group without a top-level comma, or an unbalanced brace,
-    stays literal (as in bash).
-    """
+
+def _expand(pattern: str, budget: list[int]) -> list[str]:
     depth = 0
     start = -1
     for i, ch in enumerate(pattern):
@@ -156,18 +187,33 @@ def expand_braces(pattern: str) -> tuple[str, ...]:
                 if not parts:
                     # "{x}" is literal; keep scanning after it.
                     head = pattern[: i + 1]
-                    return tuple(
-                        head + tail for tail in expand_braces(pattern[i + 1 :])
-                    )
+                    return [head + tail for tail in _expand(pattern[i + 1 :], budget)]
                 parts.append(body[last:])
                 prefix, suffix = pattern[:start], pattern[i + 1 :]
-                out: list[str] = []
+                out: dict[str, None] = {}
                 for part in parts:
-                    for exp in expand_braces(prefix + part + suffix):
-                        if exp not in out:
-                            out.append(exp)
-                return tuple(out)
-    return (pattern,)
+                    out.update(dict.fromkeys(_expand(prefix + part + suffix, budget)))
+                return list(out)
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ValueError(
+            f"brace expansion gives more than {MAX_EXPANSIONS} patterns; at most "
+            f"{MAX_EXPANSIONS} are allowed"
+        )
+    return [pattern]
+
+
+@functools.lru_cache(maxsize=4096)
+def expand_braces(pattern: str) -> tuple[str, ...]:
+    """Shell brace expansion: ``"a.{3,5}.b"`` -> ``("a.3.b", "a.5.b")``.
+
+    Braces nest; a brace group without a top-level comma, or an unbalanced brace,
+    stays literal (as in bash). ``ValueError`` for a pattern over the limits
+    (:data:`MAX_PATTERN_CHARS`, :data:`MAX_BRACE_GROUPS`, :data:`MAX_EXPANSIONS`),
+    found before the work is done.
+    """
+    _check_pattern(pattern)
+    return tuple(_expand(pattern, [MAX_EXPANSIONS]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -194,6 +240,20 @@ class FA3QuantConfig(_Strict):
     fa_q: BranchOverride | None = None
     fa_k: BranchOverride | None = None
     fa_v: BranchOverride | None = None
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _bounded_patterns(cls, v: list[str]) -> list[str]:
+        if len(v) > MAX_PATTERNS:
+            raise ValueError(
+                f"{len(v)} patterns; at most {MAX_PATTERNS} are allowed per list"
+            )
+        for pattern in v:
+            try:
+                expand_braces(pattern)
+            except ValueError as exc:
+                raise ValueError(f"{pattern[:60]!r}: {exc}") from None
+        return v
 
     @field_validator("type")
     @classmethod
@@ -259,6 +319,21 @@ class _Spec(_Strict):
     process: list[FA3QuantConfig]
     save: Any = None
     dataset: Any = None
+
+    @field_validator("process")
+    @classmethod
+    def _bounded_matching(cls, v: list[FA3QuantConfig]) -> list[FA3QuantConfig]:
+        # Each attention module is matched against every expanded pattern of
+        # every item: bound the total, not only each pattern.
+        total = sum(
+            len(expand_braces(p)) for item in v for p in (*item.include, *item.exclude)
+        )
+        if total > MAX_TOTAL_EXPANSIONS:
+            raise ValueError(
+                f"the include/exclude patterns expand to {total} patterns in all; at "
+                f"most {MAX_TOTAL_EXPANSIONS} are allowed"
+            )
+        return v
 
 
 class _RecipeFile(_Strict):
@@ -328,11 +403,81 @@ def _format_errors(
     return "invalid recipe:\n  " + "\n  ".join(msgs)
 
 
+# libyaml's parser when PyYAML has it: the pure-Python scanner is ~10x slower.
+_SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _RecipeLoader(_SAFE_LOADER):  # type: ignore[misc, valid-type]
+    """The safe loader; with the pure-Python scanner, flow collections are capped
+    at :data:`MAX_RECIPE_DEPTH` levels while scanning (its per-level state makes
+    deep ``[[[[...`` quadratic). Aliases and depth are checked on the event stream
+    first (:func:`_check_events`)."""
+
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        if self.flow_level >= MAX_RECIPE_DEPTH:
+            raise yaml.scanner.ScannerError(
+                None,
+                None,
+                f"nested more than {MAX_RECIPE_DEPTH} levels deep",
+                self.get_mark(),
+            )
+        super().fetch_flow_collection_start(TokenClass)
+
+
+def _check_events(text: str) -> None:
+    """Refuse aliases (``*name``, and so ``<<:`` merges: each can multiply the
+    document — the "billion laughs" bomb) and nesting deeper than
+    :data:`MAX_RECIPE_DEPTH`, from the parser's events, before anything is
+    built."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_RecipeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise yaml.MarkedYAMLError(
+                None,
+                None,
+                "aliases (*name) are not allowed in recipes",
+                event.start_mark,
+            )
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_RECIPE_DEPTH:
+                raise yaml.MarkedYAMLError(
+                    None,
+                    None,
+                    f"nested more than {MAX_RECIPE_DEPTH} levels deep",
+                    event.start_mark,
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _parse(text: str, source: str) -> tuple[yaml.Node | None, Any]:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{source}: recipe is larger than {MAX_RECIPE_BYTES} bytes")
+    try:
+        _check_events(text)
+        loader = _RecipeLoader(text)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        msg = " ".join(str(exc).split())
+        raise RecipeError(f"{source}: not valid YAML: {msg}") from None
+    except RecursionError:
+        raise RecipeError(f"{source}: not valid YAML: nested too deeply") from None
+    return node, data
+
+
 def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     """Parse and validate a recipe from a file path or from YAML text.
 
     A string containing a newline or a ``:`` that is not an existing file is taken
     as YAML text. Raises :class:`RecipeError` naming the YAML path and line.
+    Untrusted recipes are bounded: at most :data:`MAX_RECIPE_BYTES`, no YAML
+    aliases, nesting and patterns capped (see the module constants), so a bad
+    recipe is refused at once instead of expanding.
     """
     text: str
     source: str
@@ -342,18 +487,16 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     ):
         if not os.path.isfile(candidate):
             raise RecipeError(f"recipe file not found: {candidate}")
-        with open(candidate, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            text = read_text(candidate, limit=MAX_RECIPE_BYTES, what="recipe")
+        except AscendFAError as exc:
+            raise RecipeError(str(exc), path=exc.path) from None
         source = os.path.basename(candidate)
     elif candidate.strip() and "\n" not in candidate and ":" not in candidate:
         raise RecipeError(f"recipe file not found: {candidate}")
     else:
         text, source = candidate, "<recipe>"
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{source}: not valid YAML: {exc}") from None
+    node, data = _parse(text, source)
     if node is None or not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a mapping with a 'spec' key")
     lines: dict[tuple[Any, ...], int] = {}

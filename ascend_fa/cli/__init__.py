@@ -110,46 +110,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into :class:`Terminated` for the duration (main thread only)."""
+def _signals_raise() -> Iterator[None]:
+    """For the duration (main thread only): SIGINT raises ``KeyboardInterrupt`` and
+    SIGTERM :class:`Terminated` — the first one only. Later ones are ignored, so a
+    second Ctrl-C cannot cut short the ``finally`` blocks that remove temporary
+    files."""
+    fired: list[int] = []
 
-    def handler(_signum: int, _frame: Any) -> None:
-        raise Terminated()
+    def handler(signum: int, _frame: Any) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        if signum == signal.SIGTERM:
+            raise Terminated()
+        raise KeyboardInterrupt()
 
+    saved: dict[int, Any] = {}
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            saved[sig] = signal.signal(sig, handler)
     except ValueError:  # not the main thread: leave signals alone
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, previous in saved.items():
+            signal.signal(sig, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    run = getattr(args, "_run", None)
-    if extra and not getattr(
-        sys.modules.get(getattr(run, "__module__", "")), "TAKES_EXTRA_ARGS", False
-    ):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra_args = extra
-    verbose = bool(getattr(args, "verbose", False))
-    quiet = bool(getattr(args, "quiet", False))
-    logging.basicConfig(
-        level=logging.DEBUG
-        if verbose
-        else (logging.WARNING if quiet else logging.INFO),
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return 2
-    prefix = f"ascend-fa {args.command}"
+    prefix = "ascend-fa"
+    verbose = False
     try:
-        with _sigterm_raises():
+        with _signals_raise():
+            parser = build_parser()
+            args, extra = parser.parse_known_args(argv)
+            run = getattr(args, "_run", None)
+            if extra and not getattr(
+                sys.modules.get(getattr(run, "__module__", "")),
+                "TAKES_EXTRA_ARGS",
+                False,
+            ):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.extra_args = extra
+            verbose = bool(getattr(args, "verbose", False))
+            quiet = bool(getattr(args, "quiet", False))
+            logging.basicConfig(
+                level=logging.DEBUG
+                if verbose
+                else (logging.WARNING if quiet else logging.INFO),
+                format="%(levelname)s %(name)s: %(message)s",
+            )
+            if not getattr(args, "_run", None):
+                parser.print_help()
+                return 2
+            prefix = f"ascend-fa {args.command}"
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)

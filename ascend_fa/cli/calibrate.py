@@ -58,7 +58,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="artifact directory (required unless --merge-into)",
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --output"
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --output that holds an ascend-fa artifact",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="with --overwrite: replace a non-empty --output even when it is not "
+        "an ascend-fa artifact (its contents are lost)",
     )
     parser.add_argument(
         "--merge-into",
@@ -116,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         backend=args.backend,
         overwrite=args.overwrite,
+        force=args.force,
         merge_into=args.merge_into,
         max_shard_size=args.max_shard_size,
         seed=args.seed,

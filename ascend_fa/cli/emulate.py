@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 COMMAND = "emulate"
 HELP = "run greedy generation and perplexity through the paged int8 KV cache"
@@ -86,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.emulation.verb import DEFAULT_PROMPT, run_emulate
+    from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
+
+    if args.json:  # refused now, not after the run
+        check_output_file(args.json, what="--json")
+        inputs = {"--model": args.model, "--artifact": args.artifact}
+        check_disjoint(args.json, inputs, flag="--json")
 
     report = run_emulate(
         args.model,
@@ -129,7 +134,5 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         print(f"\n[{r['mode']}] {r['text']!r}")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8"
-        )
+        write_file(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 COMMAND = "eval"
 HELP = "perplexity and attention-output error, float vs fake-quant (artifact/methods)"
@@ -107,7 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.evaluation import run_eval
+    from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
     from ascend_fa.tables import print_table
+
+    if args.json:  # refused now, not after the run
+        check_output_file(args.json, what="--json")
+        inputs = {"--model": args.model, "--artifact": args.artifact}
+        check_disjoint(args.json, inputs, flag="--json")
 
     report = run_eval(
         args.model,
@@ -125,8 +130,5 @@ def run(args: argparse.Namespace) -> int:
     title, headers, rows = report.table()
     print_table(headers, rows, title=title)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps(report.to_dict(), indent=2), encoding="utf-8"
-        )
+        write_file(args.json, json.dumps(report.to_dict(), indent=2))
     return 0

@@ -191,7 +191,11 @@ def run_emulate(
 ) -> EmulateReport:
     """Run the plain model, ``float`` through the paged cache, and each of
     ``modes`` (default ``int8_kv`` and ``faquant``) on the same prompt and text."""
-    from ascend_fa.evaluation import load_eval_text, token_windows
+    from ascend_fa.evaluation import (
+        load_eval_text,
+        read_artifact_scales,
+        token_windows,
+    )
     from ascend_fa.models import load_model
 
     if max_new_tokens <= 0:
@@ -200,6 +204,9 @@ def run_emulate(
         raise InputError("--window must be >= 2")
     if artifact is not None and not Path(artifact).is_dir():
         raise NotFoundError("artifact not found", path=artifact)
+    # Read (and so check) the artifact and the text before the model loads.
+    artifact_scales = read_artifact_scales(artifact) if artifact is not None else None
+    eval_text = load_eval_text(eval_data)
     modes = modes or ["int8_kv", "faquant"]
     loaded = load_model(model, gguf_file)
     net, tok = loaded.model, loaded.tokenizer
@@ -219,7 +226,7 @@ def run_emulate(
     start = ids.shape[1]
     windows = token_windows(
         tok,
-        load_eval_text(eval_data),
+        eval_text,
         window=window,
         max_tokens=max_eval_tokens or None,
     )
@@ -252,7 +259,7 @@ def run_emulate(
     source = "artifact" if artifact else "dynamic"
     for mode in ["float", *modes]:
         t0 = time.perf_counter()
-        scales = artifact if mode != "float" else None
+        scales = artifact_scales if mode != "float" else None
         with enable_paged_int8_attention(
             net,
             mode=mode,

@@ -16,9 +16,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .format import FA_BRANCHES, FA_TENSOR, ScaleMap, per_head_vector
+from .format import (
+    C8_TENSOR,
+    FA_BRANCHES,
+    FA_TENSOR,
+    VLLM_KV_TENSOR,
+    ScaleMap,
+    per_head_vector,
+)
 
-__all__ = ["weight_files", "read_tensor_index", "read_fa_scales"]
+__all__ = ["weight_files", "read_tensor_index", "read_fa_scales", "read_kv_scales"]
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -100,3 +107,50 @@ def read_fa_scales(directory: str | Path) -> ScaleMap:
             entry[branch] = (scale.contiguous(), offset.to(torch.int8).contiguous())
         scales[attn] = entry
     return scales
+
+
+def read_kv_scales(
+    directory: str | Path,
+) -> tuple[str, dict[str, dict[str, torch.Tensor]]] | None:
+    """The KV-cache scales of a C8 or vLLM artifact, or None when it has neither.
+
+    Returns ``("c8", {attn: {"k": [Hkv*D], "v": [Hkv*D]}})`` for
+    ``<attn>.{k,v}_proj.kv_cache_scale`` or ``("fp8", {attn: {"k": [n], "v": [n]}})``
+    for vLLM's ``<attn>.{k,v}_scale`` (``n`` = 1 or Hkv), all fp32 and flattened.
+    """
+    where = read_tensor_index(directory)
+    found: dict[str, dict[str, dict[str, Path]]] = {"c8": {}, "fp8": {}}
+    for name, path in where.items():
+        c8 = C8_TENSOR.match(name)
+        if c8 and c8["kind"] == "scale":
+            found["c8"].setdefault(c8["attn"], {})[c8["side"]] = path
+            continue
+        vk = VLLM_KV_TENSOR.match(name)
+        if vk and vk["side"] in ("k", "v"):
+            found["fp8"].setdefault(vk["attn"], {})[vk["side"]] = path
+    if found["c8"] and found["fp8"]:
+        raise ValueError(f"{directory}: both C8 and vLLM KV scales; which is deployed?")
+    kind = "c8" if found["c8"] else "fp8"
+    if not found[kind]:
+        return None
+    names = {
+        "c8": lambda a, s: f"{a}.{s}_proj.kv_cache_scale",
+        "fp8": lambda a, s: f"{a}.{s}_scale",
+    }[kind]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for attn in sorted(found[kind]):
+            sides = found[kind][attn]
+            if set(sides) != {"k", "v"}:
+                raise ValueError(f"{attn}: both K and V KV-cache scales are required")
+            entry = {}
+            for side, path in sides.items():
+                if path not in handles:
+                    handles[path] = stack.enter_context(
+                        safe_open(str(path), framework="pt")
+                    )
+                t = handles[path].get_tensor(names(attn, side))
+                entry[side] = t.to(torch.float32).reshape(-1).contiguous()
+            out[attn] = entry
+    return kind, out

@@ -77,6 +77,7 @@ __all__ = [
     "merge_into",
     "atomic_output_dir",
     "write_json",
+    "plain_file_modes",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -305,6 +306,17 @@ def write_json(path: Path, obj: Any) -> None:
     )
 
 
+def plain_file_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the mode a plain ``open`` would (0644
+    under umask 022): safetensors writes 0600 and copies keep their source's mode,
+    but an artifact is read by other users (the serving account)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~umask)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -465,6 +477,7 @@ def export_artifact(
             tokenizer.save_pretrained(str(tmp))
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        plain_file_modes(tmp)
     return Path(output)
 
 
@@ -594,6 +607,7 @@ def merge_into(
             write_json(tmp / "config.json", cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        plain_file_modes(tmp)
         if consumer is not None:
             from .inspect import inspect_artifact
 

@@ -413,3 +413,44 @@ def test_target_cannot_express_model(models, data, tmp_path, capsys):
         err = capsys.readouterr().err
         assert rc == 2 and message in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_check_target_rules():
+    from ascend_fa.errors import UnsupportedError
+
+    artifact.check_target("vllm-ascend", mla=False, model_quant_type="FLOAT")
+    artifact.check_target("mindie", mla=True, model_quant_type="W8A8_DYNAMIC")
+    artifact.check_target("mindie", model_quant_type="FLOAT", merge=True)
+    with pytest.raises(UnsupportedError, match="dense float weights"):
+        artifact.check_target("vllm", mla=False, model_quant_type="W8A8")
+    with pytest.raises(UnsupportedError, match="--merge-into adds Ascend tensors"):
+        artifact.check_target("vllm", merge=True)
+    with pytest.raises(UnsupportedError, match="needs quantized linears"):
+        artifact.check_target("mindie", mla=False, model_quant_type="FLOAT")
+    with pytest.raises(ValueError, match="not a known target"):
+        artifact.resolve_target("trt")
+    assert artifact.resolve_dtype("fp16") is torch.float16
+    assert artifact.resolve_dtype("bfloat16") is torch.bfloat16
+
+
+def test_merge_fakquant_into_deepseek_export_for_vllm_ascend(models, data, tmp_path):
+    from builders import msmodelslim_export
+
+    export = tmp_path / "w8a8"
+    msmodelslim_export(export, models["deepseek_v3"], quant_type="W8A8_DYNAMIC")
+    out = tmp_path / "merged"
+    rc = run_calibrate(
+        models["deepseek_v3"],
+        out,
+        data,
+        "--target",
+        "vllm-ascend",
+        "--merge-into",
+        str(export),
+    )
+    assert rc == 0
+    r = inspect_artifact(out, target="vllm-ascend")
+    assert r["valid"], r["findings"]
+    desc = json.loads((out / DESCRIPTION_FILE).read_text())
+    assert desc["fa_quant_type"] == "FAKQuant"
+    assert desc["model_quant_type"] == "W8A8_DYNAMIC"

@@ -153,6 +153,12 @@ def check_target(
             "latent (use --target vllm-ascend or mindie for DeepSeek MLA)"
         )
     linears_quantized = model_quant_type in LINEAR_QUANT_TYPES
+    if target == "vllm" and linears_quantized:
+        raise UnsupportedError(
+            "--target vllm writes dense float weights with FP8 KV-cache scales "
+            "(compressed-tensors 'dense', no config_groups); Ascend W8A8 linears "
+            "load in mindie or vllm-ascend (use --linear none with --target vllm)"
+        )
     if merge or model_quant_type is None or linears_quantized:
         return
     if target == "mindie":

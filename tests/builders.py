@@ -106,7 +106,11 @@ def tiny_deepseek(seed: int = 0, attn: str | None = "sdpa", **overrides: Any) ->
 
 
 def save_tiny(
-    path: Path, model_type: str, padding_side: str = "right", **extra: Any
+    path: Path,
+    model_type: str,
+    padding_side: str = "right",
+    dtype: torch.dtype | None = None,
+    **extra: Any,
 ) -> Path:
     """A tiny checkpoint directory (safetensors + config + byte tokenizer) of
     ``model_type``: ``deepseek_v3`` (:data:`DEEPSEEK_TINY`), ``gpt2`` (no FA
@@ -129,6 +133,8 @@ def save_tiny(
             tie_word_embeddings=True,
         )
     model = tiny_causal_lm(model_type, attn=None, **{**common, **kw, **extra})
+    if dtype is not None:  # a checkpoint stored in dtype (config torch_dtype too)
+        model = model.to(dtype)
     model.save_pretrained(path)
     byte_tokenizer(padding_side).save_pretrained(path)
     return path

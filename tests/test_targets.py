@@ -35,6 +35,7 @@ from ascend_fa.calibration.data import load_calib_texts, split_calibration  # no
 from ascend_fa.calibration.pipeline import calibrate_model  # noqa: E402
 from ascend_fa.cli import main  # noqa: E402
 
+BF16 = torch.bfloat16
 MINMAX = 'spec:\n  process:\n    - type: "fa3_quant"\n      method: minmax\n'
 TEXTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -52,9 +53,11 @@ TEXTS = [
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {
-        "llama": save_tiny(root / "llama", "llama", tie_word_embeddings=False),
-        "qwen3": save_tiny(root / "qwen3", "qwen3"),
-        "deepseek_v3": save_tiny(root / "ds", "deepseek_v3"),
+        "llama": save_tiny(
+            root / "llama", "llama", dtype=BF16, tie_word_embeddings=False
+        ),
+        "qwen3": save_tiny(root / "qwen3", "qwen3", dtype=BF16),
+        "deepseek_v3": save_tiny(root / "ds", "deepseek_v3", dtype=BF16),
     }
 
 
@@ -101,7 +104,10 @@ def reference_kv(model_dir, data, rope=True):
     Returns ``{attn: (K [N, Hkv, D], V [N, Hkv, D])}`` over all real tokens."""
     calib, _ = data
     texts, _ = split_calibration(load_calib_texts(calib), 6, 2, 0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    # the calibration loads checkpoints in fp32 (ascend_fa.models.load_model)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32
+    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     mod = __import__(type(model).__module__, fromlist=["apply_rotary_pos_emb"])
     got: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -25,12 +25,15 @@ Functions:
   whole prompts and chunked prefill. There is no separate dense path: a dense
   ``[B, S, Hkv, D]`` prompt is exactly a paged cache with one block table per sequence.
 
-Every call validates its arguments first (errors name the argument; nothing is
-written on error), builds a hashable :class:`~ascend_fa.backends.AttentionSpec` and
-runs on ``backend`` (a name or instance), else on the backend selected for the spec
-(``$ASCEND_FA_BACKEND`` or the tensors' device). ``cpu``/``cuda`` run the PyTorch
-emulation (the ``ascend_fa::*`` custom ops); ``npu`` maps to torch_npu and refuses,
-with every reason listed, a spec its kernels do not support.
+Every call takes one route: it validates its arguments once (errors name the
+argument; nothing is written on error), builds a hashable
+:class:`~ascend_fa.backends.AttentionSpec`, asks ``backend`` (a name or instance;
+default: the backend selected for the spec, ``$ASCEND_FA_BACKEND`` or the tensors'
+device) whether it can run it, and calls ``torch.ops.ascend_fa.<op>``, which runs
+the kernel registered for the tensors' device: the PyTorch emulation on ``cpu`` and
+``cuda``, the torch_npu mapping on ``npu``. A spec the device cannot run is refused
+with :class:`~ascend_fa.errors.UnsupportedError` listing every reason (rule, value
+and torch_npu release on the NPU) before any device call.
 
 On CPU the emulation keeps its attention scratch buffers (the fp32 copies of the
 gathered K/V) per thread between calls, so a decode loop does not page-fault fresh
@@ -47,8 +50,9 @@ from .atb_ops.attention import (
     release_workspace,
 )
 from .atb_ops.cache import check_reshape_and_cache, check_reshape_and_cache_mla
-from .backends import Backend, get_backend, select_backend
+from .backends import Backend, CapabilityError, get_backend, select_backend
 from .backends.base import AttentionSpec, attention_spec, cache_write_spec
+from .errors import InputError, UnsupportedError
 
 __all__ = [
     "reshape_and_cache",
@@ -66,17 +70,21 @@ def resolve_backend(
     spec: AttentionSpec, backend: str | Backend | None = None
 ) -> Backend:
     """The backend that runs ``spec``: ``backend`` if given (it must support the spec),
-    else :func:`~ascend_fa.backends.select_backend`. Raises ``ValueError`` listing the
-    reasons when nothing fits."""
-    if backend is None:
-        return select_backend(spec)
-    chosen = get_backend(backend) if isinstance(backend, str) else backend
-    if not isinstance(chosen, Backend):
-        raise ValueError(
-            f"backend must be a name or a Backend, got {type(backend).__name__}"
-        )
-    chosen.require(spec)
-    return chosen
+    else :func:`~ascend_fa.backends.select_backend`. Raises
+    :class:`~ascend_fa.errors.UnsupportedError` listing the reasons when nothing
+    fits."""
+    try:
+        if backend is None:
+            return select_backend(spec)
+        chosen = get_backend(backend) if isinstance(backend, str) else backend
+        if not isinstance(chosen, Backend):
+            raise InputError(
+                f"backend must be a name or a Backend, got {type(backend).__name__}"
+            )
+        chosen.require(spec)
+        return chosen
+    except CapabilityError as exc:
+        raise UnsupportedError(str(exc)) from exc
 
 
 def reshape_and_cache(
@@ -112,10 +120,10 @@ def reshape_and_cache(
         layout=layout,
         device_type=key.device.type,
     )
-    resolve_backend(spec, backend).reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping,
-        k_scale=k_scale, v_scale=v_scale, layout=layout,
-    )  # fmt: skip
+    resolve_backend(spec, backend)
+    torch.ops.ascend_fa.reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+    )
 
 
 def reshape_and_cache_mla(
@@ -149,10 +157,10 @@ def reshape_and_cache_mla(
         mla=True,
         rope_dim=rope.shape[1],
     )
-    resolve_backend(spec, backend).reshape_and_cache_mla(
-        latent, rope, latent_cache, rope_cache, slot_mapping, k_scale=k_scale,
-        layout=layout,
-    )  # fmt: skip
+    resolve_backend(spec, backend)
+    torch.ops.ascend_fa.reshape_and_cache_mla(
+        latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout
+    )
 
 
 def paged_attention(
@@ -185,10 +193,10 @@ def paged_attention(
         q_scale=q_scale, layout=layout,
     )  # fmt: skip
     spec = attention_spec("decode", info, query.device.type)
-    return resolve_backend(spec, backend).paged_attention(
-        query, key_cache, value_cache, block_table, seq_lens,
-        num_kv_heads=num_kv_heads, scale=scale, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, layout=layout,
+    resolve_backend(spec, backend)
+    return torch.ops.ascend_fa.paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, num_kv_heads,
+        float(scale), k_scale, v_scale, q_scale, layout,
     )  # fmt: skip
 
 
@@ -221,10 +229,10 @@ def prefill_attention(
         q_scale=q_scale, layout=layout, query_lens=query_lens, prefill=True,
     )  # fmt: skip
     spec = attention_spec("prefill", info, query.device.type)
-    return resolve_backend(spec, backend).prefill_attention(
-        query, key_cache, value_cache, block_table, seq_lens,
-        num_kv_heads=num_kv_heads, scale=scale, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, layout=layout, query_lens=query_lens,
+    resolve_backend(spec, backend)
+    return torch.ops.ascend_fa.prefill_attention(
+        query, key_cache, value_cache, block_table, seq_lens, query_lens,
+        num_kv_heads, float(scale), k_scale, v_scale, q_scale, layout,
     )  # fmt: skip
 
 
@@ -255,9 +263,10 @@ def mla_paged_attention(
         scale=scale, k_scale=k_scale, q_scale=q_scale, layout=layout,
     )  # fmt: skip
     spec = attention_spec("mla_decode", info, q_nope.device.type)
-    return resolve_backend(spec, backend).mla_paged_attention(
+    resolve_backend(spec, backend)
+    return torch.ops.ascend_fa.mla_paged_attention(
         q_nope, q_rope, latent_cache, rope_cache, block_table, seq_lens,
-        scale=scale, k_scale=k_scale, q_scale=q_scale, layout=layout,
+        float(scale), k_scale, q_scale, layout,
     )  # fmt: skip
 
 
@@ -284,8 +293,8 @@ def mla_prefill_attention(
         query_lens=query_lens, prefill=True,
     )  # fmt: skip
     spec = attention_spec("mla_prefill", info, q_nope.device.type)
-    return resolve_backend(spec, backend).mla_prefill_attention(
-        q_nope, q_rope, latent_cache, rope_cache, block_table, seq_lens,
-        scale=scale, k_scale=k_scale, q_scale=q_scale, layout=layout,
-        query_lens=query_lens,
+    resolve_backend(spec, backend)
+    return torch.ops.ascend_fa.mla_prefill_attention(
+        q_nope, q_rope, latent_cache, rope_cache, block_table, seq_lens, query_lens,
+        float(scale), k_scale, q_scale, layout,
     )  # fmt: skip

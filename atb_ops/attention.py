@@ -47,8 +47,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import FLOAT_DTYPES, cache_geometry, check_layout, check_scale
-from .constants import INT8_MAX, INT8_MIN, SCALE_EPS
+from .cache import (
+    FLOAT_DTYPES,
+    cache_geometry,
+    check_layout,
+    check_scale,
+    nz_width_message,
+)
+from .constants import INT8_MAX, INT8_MIN, SCALE_EPS, c0
 
 __all__ = [
     "PagedAttentionInfo",
@@ -56,6 +62,8 @@ __all__ = [
     "check_paged_attention",
     "check_mla_attention",
     "dynamic_query_scale",
+    "mla_attention_info",
+    "paged_attention_info",
     "gather_tokens_ref",
     "paged_attention_ref",
     "prefill_attention_ref",
@@ -212,6 +220,83 @@ def _check_paging(
     return max_blocks
 
 
+def _cache_blocks(cache: torch.Tensor, layout: str) -> tuple[int, int]:
+    """``(NB, BS)`` of a paged cache in ``layout``."""
+    if layout == "nz":
+        return int(cache.shape[0]), int(cache.shape[2])
+    return int(cache.shape[0]), int(cache.shape[1])
+
+
+def paged_attention_info(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_kv_heads: int,
+    q_scale: torch.Tensor | None,
+    layout: str,
+    *,
+    prefill: bool = False,
+) -> PagedAttentionInfo:
+    """Sizes and mode of a GQA call read from shapes and dtypes alone.
+
+    No validation (and no device sync): for arguments that :func:`check_paged_attention`
+    accepted, or for a device kernel that must describe its call cheaply.
+    """
+    if prefill:
+        b, s, h, d = query.shape
+    else:
+        (b, h, d), s = query.shape, 1
+    nb, bs = _cache_blocks(key_cache, layout)
+    return PagedAttentionInfo(
+        batch=int(b),
+        q_len=int(s),
+        num_heads=int(h),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(d),
+        block_size=bs,
+        num_blocks=nb,
+        max_blocks=int(block_table.shape[1]),
+        layout=layout,
+        mode=attention_mode(key_cache.dtype, q_scale),
+        query_dtype=query.dtype,
+        cache_dtype=key_cache.dtype,
+    )
+
+
+def mla_attention_info(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    q_scale: torch.Tensor | None,
+    layout: str,
+    *,
+    prefill: bool = False,
+) -> PagedAttentionInfo:
+    """The MLA counterpart of :func:`paged_attention_info` (``head_dim`` is ``R``,
+    ``rope_dim`` is ``Dr``)."""
+    if prefill:
+        b, s, h, r = q_nope.shape
+    else:
+        (b, h, r), s = q_nope.shape, 1
+    nb, bs = _cache_blocks(latent_cache, layout)
+    return PagedAttentionInfo(
+        batch=int(b),
+        q_len=int(s),
+        num_heads=int(h),
+        num_kv_heads=1,
+        head_dim=int(r),
+        block_size=bs,
+        num_blocks=nb,
+        max_blocks=int(block_table.shape[1]),
+        layout=layout,
+        mode=attention_mode(latent_cache.dtype, q_scale, mla=True),
+        query_dtype=q_nope.dtype,
+        cache_dtype=latent_cache.dtype,
+        rope_dim=int(q_rope.shape[-1]),
+    )
+
+
 def check_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -270,6 +355,8 @@ def check_paged_attention(
             f"{fn}: key_cache is [NB, BS, Hkv, D] = {tuple(key_cache.shape)} "
             f"but num_kv_heads = {num_kv_heads} and the query has D = {d}"
         )
+    if layout == "nz" and (num_kv_heads * d) % c0(key_cache.dtype):
+        raise ValueError(nz_width_message(fn, num_kv_heads, d, key_cache.dtype))
     if geo.width != num_kv_heads * d:
         raise ValueError(
             f"{fn}: key_cache holds {geo.width} features per token (shape "
@@ -294,7 +381,7 @@ def check_paged_attention(
                     f"{fn}: {name} is given but the caches are "
                     f"{key_cache.dtype}; scales apply to int8 caches only"
                 )
-    max_blocks = _check_paging(
+    _check_paging(
         fn,
         block_table,
         seq_lens,
@@ -305,19 +392,8 @@ def check_paged_attention(
         geo.num_blocks,
         query.device,
     )
-    return PagedAttentionInfo(
-        batch=b,
-        q_len=s,
-        num_heads=h,
-        num_kv_heads=num_kv_heads,
-        head_dim=d,
-        block_size=geo.block_size,
-        num_blocks=geo.num_blocks,
-        max_blocks=max_blocks,
-        layout=layout,
-        mode=attention_mode(key_cache.dtype, q_scale),
-        query_dtype=query.dtype,
-        cache_dtype=key_cache.dtype,
+    return paged_attention_info(
+        query, key_cache, block_table, num_kv_heads, q_scale, layout, prefill=prefill
     )
 
 
@@ -404,7 +480,7 @@ def check_mla_attention(
                     f"{fn}: {name} is given but latent_cache is "
                     f"{latent_cache.dtype}; scales apply to int8 caches only"
                 )
-    max_blocks = _check_paging(
+    _check_paging(
         fn,
         block_table,
         seq_lens,
@@ -415,20 +491,8 @@ def check_mla_attention(
         lgeo.num_blocks,
         q_nope.device,
     )
-    return PagedAttentionInfo(
-        batch=b,
-        q_len=s,
-        num_heads=h,
-        num_kv_heads=1,
-        head_dim=r,
-        block_size=lgeo.block_size,
-        num_blocks=lgeo.num_blocks,
-        max_blocks=max_blocks,
-        layout=layout,
-        mode=attention_mode(latent_cache.dtype, q_scale, mla=True),
-        query_dtype=q_nope.dtype,
-        cache_dtype=latent_cache.dtype,
-        rope_dim=dr,
+    return mla_attention_info(
+        q_nope, q_rope, latent_cache, block_table, q_scale, layout, prefill=prefill
     )
 
 
@@ -516,8 +580,22 @@ def _gather(
         out = _buffer(
             ws, key + "f32", (b_sz, heads, n * bs, d), torch.float32, cache.device
         )
-        src = picked.view(b_sz, n, heads, d // cols, bs, cols).permute(0, 2, 1, 4, 3, 5)
-        out.view(b_sz, heads, n, bs, d // cols, cols).copy_(src)
+        if d % cols == 0:
+            src = picked.view(b_sz, n, heads, d // cols, bs, cols)
+            out.view(b_sz, heads, n, bs, d // cols, cols).copy_(
+                src.permute(0, 2, 1, 4, 3, 5)
+            )
+        else:
+            # A head does not fill whole fractal columns (e.g. int8 D = 16 or 48):
+            # tiles -> token rows [.., BS, Hkv*D] first, then split the heads.
+            rows = _buffer(ws, key + "rows", (b_sz, n, bs, n1 * cols), cache.dtype,
+                           cache.device)  # fmt: skip
+            rows.view(b_sz, n, bs, n1, cols).copy_(
+                picked.view(b_sz, n, n1, bs, cols).transpose(2, 3)
+            )
+            out.view(b_sz, heads, n, bs, d).copy_(
+                rows.view(b_sz, n, bs, heads, d).permute(0, 3, 1, 2, 4)
+            )
     else:
         bs = cache.shape[1]
         d = picked.numel() // (b_sz * n * bs * heads)
@@ -557,6 +635,15 @@ def _gqa_decode_group(
     k = _gather(key_cache, blocks, layout, ws, "k", heads=hkv)
     v = _gather(value_cache, blocks, layout, ws, "v", heads=hkv)
     n_ctx = k.shape[2]
+    if key_cache.dtype.is_floating_point and int(lens.min()) < n_ctx:
+        # Masked means masked: rows past a sequence's length (the unused tail of
+        # its last block, or padding blocks of a shorter sequence in the group) may
+        # hold anything, NaN and inf included, and 0 * NaN is NaN in P.V. Zero them
+        # so the -inf scores below and the P.V product never see them.
+        for i, n_i in enumerate(lens.tolist()):
+            if n_i < n_ctx:
+                k[i, :, n_i:].zero_()
+                v[i, :, n_i:].zero_()
     q = qop.reshape(b_sz * hkv, g, d)
     scores = torch.bmm(q, k.view(b_sz * hkv, n_ctx, d).transpose(1, 2))
     scores = scores.view(b_sz, hkv, g, n_ctx).mul_(coef.view(1, hkv, g, 1))

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 
 from .constants import INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
-from .quant import quantize_per_head, quantize_per_head_ref
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -50,6 +49,7 @@ __all__ = [
     "check_scale",
     "check_reshape_and_cache",
     "check_reshape_and_cache_mla",
+    "nz_width_message",
     "reshape_and_cache_ref",
     "reshape_and_cache_mla_ref",
     "token_rows_ref",
@@ -124,6 +124,15 @@ def cache_geometry(fn: str, name: str, cache: object, layout: str) -> CacheGeome
     if nb <= 0 or width <= 0:
         raise ValueError(f"{fn}: {name} is empty, shape {tuple(cache.shape)}")
     return CacheGeometry(int(nb), int(bs), int(width), layout, cache.dtype)
+
+
+def nz_width_message(fn: str, heads: int, dim: int, dtype: torch.dtype) -> str:
+    """Why an NZ cache cannot hold ``heads`` x ``dim`` features of ``dtype``."""
+    return (
+        f"{fn}: an NZ cache needs Hkv*D = {heads * dim} to be a multiple of C0 = "
+        f"{c0(dtype)} for {dtype} (each fractal holds C0 columns); use layout='nd' "
+        "or pad the head dim"
+    )
 
 
 def check_scale(
@@ -266,6 +275,8 @@ def check_reshape_and_cache(
                 f"{fn}: key_cache is [NB, BS, Hkv, D] = "
                 f"{tuple(key_cache.shape)} but key has Hkv={hkv}, D={d}"
             )
+    elif (hkv * d) % c0(key_cache.dtype):
+        raise ValueError(nz_width_message(fn, hkv, d, key_cache.dtype))
     elif geo.width != hkv * d:
         raise ValueError(
             f"{fn}: key_cache holds Hkv*D = {geo.width} features per token "
@@ -333,6 +344,8 @@ def check_reshape_and_cache_mla(
         ("latent_cache", lgeo, latent_cache, r),
         ("rope_cache", rgeo, rope_cache, dr),
     ):
+        if layout == "nz" and width % c0(cache.dtype):
+            raise ValueError(nz_width_message(f"{fn}: {name}", 1, width, cache.dtype))
         if layout == "nd" and tuple(cache.shape[2:]) != (1, width):
             raise ValueError(
                 f"{fn}: {name} must be [NB, BS, 1, {width}], got {tuple(cache.shape)}"
@@ -347,12 +360,13 @@ def check_reshape_and_cache_mla(
 
 
 # -- kernels ------------------------------------------------------------------------
-#: Elements quantized per chunk (a 4 MiB fp32 intermediate, mostly cache-resident):
-#: the buffer is reused across chunks, and on CPU across calls, since a fresh
-#: multi-MiB buffer costs page faults on first touch every step. Chunks this large
-#: also keep the op count low, which matters when intra-op threads compete for
-#: cores (each parallel op then pays a scheduling delay of its own).
-_QUANT_CHUNK = 1 << 20
+#: Elements quantized per chunk and intra-op thread (a 1 MiB fp32 share, resident
+#: in the L2 cache so the five passes over it run at cache speed): the buffer is reused
+#: across chunks, and on CPU across calls, since a fresh buffer costs page faults
+#: on first touch every step. Larger chunks spill to memory on every pass; much
+#: smaller ones pay the per-op overhead (and, with intra-op threads competing for
+#: cores, a scheduling delay per op) more often.
+_QUANT_CHUNK = 1 << 18
 _SCRATCH = threading.local()
 
 
@@ -368,23 +382,53 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_per_head(x, scale, axis=1)`` for ``x`` ``[T, H, D]``, chunked over
     tokens: widen into an fp32 buffer, divide, round (half to even) and clamp in
-    place, cast to int8 -- the same operations in the same order as
-    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes."""
+    place, cast to int8 -- the same operations on the same fp32 values as
+    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes.
+
+    A 16-bit input is widened by a plain copy first and then divided fp32 by fp32:
+    the widening is exact, and two same-dtype passes run faster than one
+    mixed-dtype divide. The per-head scale is expanded over ``D`` (contiguous) so
+    the divide streams both operands instead of broadcasting along the inner dim.
+    """
     t = x.shape[0]
     per_token = max(x[0].numel(), 1) if t else 1
-    step = max(1, _QUANT_CHUNK // per_token)
+    # each intra-op thread takes its share of a chunk: keep the share L2-sized. With
+    # several threads, chunks of at least 1M elements keep the op count low: when
+    # the threads compete with other work for cores, every parallel op pays a
+    # scheduling delay of its own
+    threads = max(1, torch.get_num_threads())
+    chunk = _QUANT_CHUNK if threads == 1 else max(_QUANT_CHUNK * threads, 1 << 20)
+    if not x.is_cpu:  # device memory has no such cache to fit: few, large chunks
+        chunk = 1 << 22
+    step = max(1, chunk // per_token)
     out = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     rows = min(step, t)
     buf = _scratch(rows * per_token, x.device).view(rows, *x.shape[1:])
-    s = scale.view(1, -1, 1).to(torch.float32)
+    s = scale.to(device=x.device, dtype=torch.float32).view(1, -1, 1)
+    s = s.expand(1, *x.shape[1:]).contiguous()
     for start in range(0, t, step):
         part = buf[: min(step, t - start)]
-        # one pass widens and divides: fp16/bf16 / fp32 promotes to fp32 exactly,
-        # so this is x.float() / s, as quantize_per_head computes it
-        torch.div(x[start : start + step], s, out=part)
+        src = x[start : start + step]
+        if src.dtype == torch.float32:
+            torch.div(src, s, out=part)
+        else:
+            part.copy_(src)
+            part.div_(s)
         part.round_().clamp_(INT8_MIN, INT8_MAX)
         out[start : start + step].copy_(part)
     return out
+
+
+def _word(row_bytes: int) -> torch.dtype:
+    """The widest element that tiles a row of ``row_bytes``: the NZ tile transpose
+    moves whole 32-byte fractal rows, and its cost is per element moved (a 32-byte
+    row as 2 complex128 words copies about 1.5x faster than as 4 int64 words and
+    3x faster than as 32 int8). Only bits are moved, never arithmetic."""
+    if row_bytes % 16 == 0:
+        return torch.complex128
+    if row_bytes % 8 == 0:
+        return torch.int64
+    return torch.uint8
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -460,15 +504,20 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
     """Block-granular write (prefill): token rows are staged block by block (only
     when they are not already whole blocks in order), then each block is written
     with one copy that also does the NZ tile transpose ``[BS, W//C0, C0] ->
-    [W//C0, BS, C0]`` on whole fractal rows, moved as int64 words. Rows of partly
+    [W//C0, BS, C0]`` on whole fractal rows, moved as 16-byte words. Rows of partly
     written blocks that this call does not touch are staged from the cache first,
     so they are written back unchanged."""
     blocks, dest, partial = plan
     nb = cache.shape[0]
     bs = cache.shape[2] if layout == "nz" else cache.shape[1]
     u = blocks.numel()
-    # int64 words when a token row is whole words (a fractal row always is in NZ)
-    word = torch.int64 if (rows.shape[1] * rows.element_size()) % 8 == 0 else rows.dtype
+    row_bytes = rows.shape[1] * rows.element_size()
+    # NZ moves whole 32-byte fractal rows; ND copies contiguous token rows, which
+    # run at memcpy speed as plain 8-byte words
+    if layout == "nz":
+        word = _word(row_bytes)
+    else:
+        word = torch.int64 if row_bytes % 8 == 0 else torch.uint8
     wsize = torch.empty((), dtype=word).element_size()
     per = cache.shape[-1] * cache.element_size() // wsize if layout == "nz" else 0
     src = rows.view(word)
@@ -493,15 +542,18 @@ def _scatter_blocks(cache: torch.Tensor, rows: torch.Tensor, layout: str, plan) 
         # One strided copy per run of consecutive block ids (a fresh sequence's
         # prefill is usually one run): the copy does the NZ tile transpose of all
         # the run's blocks at once, so the per-copy overhead is paid once per run.
-        for i, b, n in runs:
-            dst = cache_blocks[b : b + n]
-            src_run = stage[i * bs : (i + n) * bs]
-            if layout == "nz":
-                dst.view(n, n1, bs, per).copy_(
-                    src_run.view(n, bs, n1, per).transpose(1, 2)
-                )
-            else:
-                dst.copy_(src_run.view(n, -1))
+        if layout == "nz":
+            dst_all = cache_blocks.view(nb, n1, bs, per)
+            src_all = stage.view(u, bs, n1, per).transpose(1, 2)
+        else:
+            dst_all, src_all = cache_blocks, stage.view(u, -1)
+        # one call for all runs, two slices each: the copies are the same, the
+        # per-copy Python and dispatch overhead (a fair share of a small write) is
+        # paid once
+        torch._foreach_copy_(
+            [dst_all[b : b + n] for _, b, n in runs],
+            [src_all[i : i + n] for i, _, n in runs],
+        )
         return
     if layout == "nz":
         out = torch.native_channel_shuffle(stage.view(u, -1, per), bs).view(u, -1)
@@ -522,23 +574,6 @@ def _consecutive_runs(blocks: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _scatter_rows(
-    cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, layout: str
-) -> None:
-    """Write ``rows`` ``[T, W]`` (cache dtype, every slot valid and distinct) into
-    ``cache``, token-granular or block-granular depending on how full the touched
-    blocks get."""
-    if slots.numel() == 0:
-        return
-    rows = rows.contiguous()
-    bs = cache.shape[2] if layout == "nz" else cache.shape[1]
-    plan = _block_plan(slots, bs)
-    if plan is None:
-        _scatter_tokens(cache, rows, slots, layout)
-    else:
-        _scatter_blocks(cache, rows, layout, plan)
-
-
 def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slots as int64 plus the token indices to keep (None: all are valid)."""
     slots = slot_mapping.long()
@@ -548,20 +583,28 @@ def _valid(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | Non
     return slots, None
 
 
-def _write(
-    cache: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor | None,
-    slots: torch.Tensor,
-    keep: torch.Tensor | None,
+def _write_all(
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    slot_mapping: torch.Tensor,
     layout: str,
 ) -> None:
+    """Write each ``(cache, x [T, H, D], scale)`` of one call. The caches share NB
+    and BS (validated), so the slots are analysed once: padding filtered, and one
+    plan (token- or block-granular) serves every cache."""
+    slots, keep = _valid(slot_mapping)
     if slots.numel() == 0:
         return
-    if keep is not None:
-        x = x.index_select(0, keep)
-    rows = _quantize_rows(x, scale) if scale is not None else x
-    _scatter_rows(cache, rows.reshape(x.shape[0], -1), slots, layout)
+    first = writes[0][0]
+    plan = _block_plan(slots, first.shape[2] if layout == "nz" else first.shape[1])
+    for cache, x, scale in writes:
+        if keep is not None:
+            x = x.index_select(0, keep)
+        rows = _quantize_rows(x, scale) if scale is not None else x
+        rows = rows.reshape(x.shape[0], -1).contiguous()
+        if plan is None:
+            _scatter_tokens(cache, rows, slots, layout)
+        else:
+            _scatter_blocks(cache, rows, layout, plan)
 
 
 @torch.library.custom_op(
@@ -577,9 +620,9 @@ def _reshape_and_cache_op(
     v_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    slots, keep = _valid(slot_mapping)
-    _write(key_cache, key, k_scale, slots, keep, layout)
-    _write(value_cache, value, v_scale, slots, keep, layout)
+    _write_all(
+        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+    )
 
 
 @_reshape_and_cache_op.register_fake
@@ -601,9 +644,14 @@ def _reshape_and_cache_mla_op(
     k_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    slots, keep = _valid(slot_mapping)
-    _write(latent_cache, latent.unsqueeze(1), k_scale, slots, keep, layout)
-    _write(rope_cache, rope.unsqueeze(1), None, slots, keep, layout)
+    _write_all(
+        [
+            (latent_cache, latent.unsqueeze(1), k_scale),
+            (rope_cache, rope.unsqueeze(1), None),
+        ],
+        slot_mapping,
+        layout,
+    )
 
 
 @_reshape_and_cache_mla_op.register_fake
@@ -615,16 +663,30 @@ def _(latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout) -> 
 def _put_token_ref(
     cache: torch.Tensor, slot: int, row: torch.Tensor, layout: str
 ) -> None:
+    """Write one token's ``W`` features, each to the position the table in the
+    module doc gives for feature ``c`` (the index math per feature, vectorized over
+    ``c``; independent of the kernels' run-based copies)."""
+    c = torch.arange(row.numel())
     if layout == "nz":
         bs, cols = cache.shape[2], cache.shape[3]
         blk, r = divmod(slot, bs)
-        for c in range(row.numel()):
-            cache[blk, c // cols, r, c % cols] = row[c]
+        cache[blk, c // cols, r, c % cols] = row.to(cache.dtype)
     else:
         bs, d = cache.shape[1], cache.shape[3]
         blk, r = divmod(slot, bs)
-        for c in range(row.numel()):
-            cache[blk, r, c // d, c % d] = row[c]
+        cache[blk, r, c // d, c % d] = row.to(cache.dtype)
+
+
+def _quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Golden codes of ``x`` ``[T, H, D]``: the fp32 quotient by the head's scale,
+    rounded half to even by hand (floor, then the fraction decides) and saturated;
+    no ``torch.round`` (the kernels use it)."""
+    quot = x.float() / scale.float().view(1, -1, 1)
+    low = torch.floor(quot)
+    frac = quot - low
+    odd = torch.remainder(low, 2) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return torch.clamp(low + up.float(), INT8_MIN, INT8_MAX).to(torch.int8)
 
 
 def token_rows_ref(cache: torch.Tensor, slot: int, layout: str) -> torch.Tensor:
@@ -654,9 +716,10 @@ def reshape_and_cache_ref(
     v_scale: torch.Tensor | None = None,
     layout: str = "nz",
 ) -> None:
-    """Golden reference: one token, then one element at a time, in slot order."""
-    kq = quantize_per_head_ref(key, k_scale, axis=1) if k_scale is not None else key
-    vq = quantize_per_head_ref(value, v_scale, axis=1) if v_scale is not None else value
+    """Golden reference: one token at a time, in slot order, each feature placed by
+    the layout table's index formula."""
+    kq = _quantize_ref(key, k_scale) if k_scale is not None else key
+    vq = _quantize_ref(value, v_scale) if v_scale is not None else value
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -673,9 +736,10 @@ def reshape_and_cache_mla_ref(
     k_scale: torch.Tensor | None = None,
     layout: str = "nz",
 ) -> None:
-    """Golden reference of the MLA write: per token, per element."""
+    """Golden reference of the MLA write, per token as in
+    :func:`reshape_and_cache_ref`."""
     lq = (
-        quantize_per_head(latent.unsqueeze(1), k_scale, axis=1).squeeze(1)
+        _quantize_ref(latent.unsqueeze(1), k_scale).squeeze(1)
         if k_scale is not None
         else latent
     )

@@ -3,8 +3,8 @@
 Each dataclass holds the *non-tensor* arguments of one device call, validated on
 construction, and renders them as the exact keyword (or positional) arguments the
 torch_npu function takes (:meth:`kwargs` / :meth:`args`). The NPU backend builds them
-from an :class:`~ascend_fa.atb_ops.attention.PagedAttentionInfo`; the tests' recording
-fake of torch_npu checks the rendered arguments against the documented signatures.
+from an :class:`~ascend_fa.atb_ops.attention.PagedAttentionInfo`; the tests' strict
+fake of torch_npu binds the rendered arguments to each release's schema.
 
 =====================================  ==========================================
 dataclass                              torch_npu call
@@ -119,8 +119,10 @@ class ScatterPaKvCacheParams:
 class FusedInferAttentionParams:
     """Scalar arguments of ``npu_fused_infer_attention_score`` for paged GQA decode.
 
-    ``input_layout="BNSD"`` with ``q`` ``[B, N, 1, D]``; ``inner_precise=1`` selects
-    the high-precision (fp32 softmax) path; antiquant modes 0 are per-channel.
+    ``input_layout="BNSD"`` with ``q`` ``[B, N, 1, D]``; antiquant modes 0 are
+    per-channel. ``inner_precise``: 0 = high precision, 1 = high performance (bit 0
+    of the documented mode; bit 1 would add invalid-row correction). The int8 NZ
+    antiquant path supports only 1; float16 KV may use 0.
     """
 
     num_heads: int
@@ -138,6 +140,11 @@ class FusedInferAttentionParams:
         _positive_int(name, "num_key_value_heads", self.num_key_value_heads)
         _positive_int(name, "block_size", self.block_size)
         _finite_scale(name, self.scale)
+        if self.inner_precise not in (0, 1):
+            raise ValueError(
+                f"{name}: inner_precise must be 0 (high precision) or 1 (high "
+                f"performance) for one query token, got {self.inner_precise!r}"
+            )
         if self.num_heads % self.num_key_value_heads:
             raise ValueError(
                 f"{name}: num_heads {self.num_heads} is not a multiple of "
@@ -191,7 +198,8 @@ class FusedInferAttentionV2Params:
 
     ``input_layout="BSND_NBSD"``: query ``[B, S, N, R]`` in, output ``[N, B, S, R]``.
     ``query_quant_mode=3``: the int8 query carries a per-token, per-head dequant
-    scale; K and V (the same latent) are per-channel with ``fa_k.scale``.
+    scale; K and V (the same latent) use mode 0 with the one-element ``fa_k.scale``
+    (per-channel mode covers per-tensor; the page allows only per-tensor here).
     """
 
     num_query_heads: int
@@ -209,14 +217,16 @@ class FusedInferAttentionV2Params:
         _positive_int(name, "block_size", self.block_size)
         _finite_scale(name, self.softmax_scale)
 
-    def kwargs(self) -> dict[str, Any]:
-        return {
+    def kwargs(self, *, quantized: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "num_query_heads": self.num_query_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "softmax_scale": float(self.softmax_scale),
             "input_layout": self.input_layout,
             "block_size": self.block_size,
-            "query_quant_mode": self.query_quant_mode,
-            "key_quant_mode": self.key_quant_mode,
-            "value_quant_mode": self.value_quant_mode,
         }
+        if quantized:
+            out["query_quant_mode"] = self.query_quant_mode
+            out["key_quant_mode"] = self.key_quant_mode
+            out["value_quant_mode"] = self.value_quant_mode
+        return out

@@ -17,6 +17,7 @@ from ..atb_ops import c0, nz_cache_shape
 from ..atb_ops.attention import PagedAttentionInfo
 
 __all__ = [
+    "CapabilityError",
     "Availability",
     "Capabilities",
     "AttentionSpec",
@@ -157,12 +158,38 @@ def cache_write_spec(
     )
 
 
+class CapabilityError(ValueError):
+    """A backend cannot run a spec; ``reasons`` lists why (one line each)."""
+
+    def __init__(
+        self,
+        backend: str,
+        spec: AttentionSpec,
+        reasons: list[str],
+        message: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.reasons = list(reasons)
+        super().__init__(
+            message
+            or f"backend {backend!r} cannot run {spec.op} ({spec.mode}):\n"
+            + "\n".join(f"  - {r}" for r in self.reasons)
+        )
+
+
 class Backend:
     """Base class of every backend.
 
     Subclasses set ``name``, ``device_type``, ``priority`` (higher wins automatic
     selection) and ``capabilities``, and override :meth:`is_available`. They may
     extend :meth:`unsupported_reasons` with device-specific constraints.
+
+    A backend runs nothing itself: every call goes public API ->
+    ``torch.ops.ascend_fa.<op>`` -> the kernel registered for the tensors' dispatch
+    key (the PyTorch reference kernels by default; a device backend registers its
+    own for its key, as :mod:`ascend_fa.backends.npu` does for PrivateUse1). The
+    backend answers what it can run and how caches are laid out.
     """
 
     name: ClassVar[str] = ""
@@ -270,130 +297,17 @@ class Backend:
             return nz_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
         return (num_blocks, block_size, num_kv_heads, head_dim)
 
-    def preferred_layout(self, mode: str) -> str:
+    def preferred_layout(self, mode: str, *, mla: bool = False) -> str:
         """KV layout this backend wants for ``mode`` (NZ unless the device says
-        otherwise)."""
+        otherwise); ``mla`` asks for the MLA latent / rope caches."""
         return "nz"
 
     def require(self, spec: AttentionSpec) -> None:
-        """Raise ``ValueError`` listing every reason this backend cannot run
-        ``spec``."""
+        """Raise :class:`CapabilityError` listing every reason this backend cannot
+        run ``spec``."""
         reasons = self.unsupported_reasons(spec)
         if reasons:
-            raise ValueError(
-                f"backend {self.name!r} cannot run {spec.op} ({spec.mode}):\n"
-                + "\n".join(f"  - {r}" for r in reasons)
-            )
-
-    # -- ops ------------------------------------------------------------------------
-    # Arguments arrive validated by the public wrappers in ``ascend_fa.attention``
-    # (shapes as documented there). Backends that run on a device override these;
-    # the base class states the contract and refuses.
-    def _not_implemented(self, op: str) -> NotImplementedError:
-        return NotImplementedError(f"backend {self.name!r} does not implement {op}")
-
-    def reshape_and_cache(
-        self,
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        *,
-        k_scale=None,
-        v_scale=None,
-        layout="nz",
-    ) -> None:
-        """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches (in place)."""
-        raise self._not_implemented("reshape_and_cache")
-
-    def reshape_and_cache_mla(
-        self,
-        latent,
-        rope,
-        latent_cache,
-        rope_cache,
-        slot_mapping,
-        *,
-        k_scale=None,
-        layout="nz",
-    ) -> None:
-        """Write ``latent`` ``[T, R]`` and ``rope`` ``[T, Dr]`` into the MLA caches."""
-        raise self._not_implemented("reshape_and_cache_mla")
-
-    def paged_attention(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        *,
-        num_kv_heads,
-        scale,
-        k_scale=None,
-        v_scale=None,
-        q_scale=None,
-        layout="nz",
-    ) -> torch.Tensor:
-        """Decode attention, ``query`` ``[B, H, D]`` -> ``[B, H, D]``."""
-        raise self._not_implemented("paged_attention")
-
-    def prefill_attention(
-        self,
-        query,
-        key_cache,
-        value_cache,
-        block_table,
-        seq_lens,
-        *,
-        num_kv_heads,
-        scale,
-        k_scale=None,
-        v_scale=None,
-        q_scale=None,
-        layout="nz",
-        query_lens=None,
-    ) -> torch.Tensor:
-        """Causal prefill attention, ``query`` ``[B, S, H, D]`` -> ``[B, S, H, D]``."""
-        raise self._not_implemented("prefill_attention")
-
-    def mla_paged_attention(
-        self,
-        q_nope,
-        q_rope,
-        latent_cache,
-        rope_cache,
-        block_table,
-        seq_lens,
-        *,
-        scale,
-        k_scale=None,
-        q_scale=None,
-        layout="nz",
-    ) -> torch.Tensor:
-        """MLA decode: ``q_nope`` ``[B, H, R]``, ``q_rope`` ``[B, H, Dr]`` ->
-        ``[B, H, R]``."""
-        raise self._not_implemented("mla_paged_attention")
-
-    def mla_prefill_attention(
-        self,
-        q_nope,
-        q_rope,
-        latent_cache,
-        rope_cache,
-        block_table,
-        seq_lens,
-        *,
-        scale,
-        k_scale=None,
-        q_scale=None,
-        layout="nz",
-        query_lens=None,
-    ) -> torch.Tensor:
-        """MLA causal prefill: ``[B, S, H, R]``, ``[B, S, H, Dr]`` ->
-        ``[B, S, H, R]``."""
-        raise self._not_implemented("mla_prefill_attention")
+            raise CapabilityError(self.name, spec, reasons)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} name={self.name!r} device={self.device_type!r}>"

@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from importlib import metadata
 
-from .base import AttentionSpec, Availability, Backend
+from .base import AttentionSpec, Availability, Backend, CapabilityError
 
 __all__ = [
     "ENV_VAR",
@@ -206,12 +206,7 @@ def backend_for_device(device: str | object) -> Backend:
 def _select_cached(spec: AttentionSpec, name: str | None) -> Backend:
     if name is not None:
         backend = get_backend(name)
-        reasons = backend.unsupported_reasons(spec)
-        if reasons:
-            raise ValueError(
-                f"backend {backend.name!r} cannot run {spec}:\n"
-                + "\n".join(f"  - {r}" for r in reasons)
-            )
+        backend.require(spec)
         return backend
     report = []
     for info in sorted(list_backends(), key=lambda i: (-i.priority, i.name)):
@@ -223,7 +218,9 @@ def _select_cached(spec: AttentionSpec, name: str | None) -> Backend:
         if not reasons:
             return backend
         report.append(f"  - {info.name}: " + "; ".join(reasons))
-    raise ValueError(f"no backend can run {spec}:\n" + "\n".join(report))
+    raise CapabilityError(
+        "any", spec, report, f"no backend can run {spec}:\n" + "\n".join(report)
+    )
 
 
 def select_backend(spec: AttentionSpec, name: str | None = None) -> Backend:
@@ -231,7 +228,8 @@ def select_backend(spec: AttentionSpec, name: str | None = None) -> Backend:
 
     With ``name`` (or ``$ASCEND_FA_BACKEND``) that backend must support the spec;
     otherwise the highest-priority usable backend that supports it. When none does,
-    the ``ValueError`` lists every backend with its reasons.
+    the :class:`~ascend_fa.backends.base.CapabilityError` (a ``ValueError``) lists
+    every backend with its reasons.
     """
     chosen = name if name is not None else (os.environ.get(ENV_VAR) or None)
     return _select_cached(spec, chosen)

@@ -116,8 +116,7 @@ def test_spec_selection_and_reasons():
     assert "npu: unavailable" in msg
 
 
-def test_npu_constraints_are_reported_before_any_call():
-    npu = NPUBackend()
+def test_npu_constraints_come_from_the_capability_table():
     spec = AttentionSpec(
         op="decode",
         mode="int8_kv",
@@ -131,39 +130,39 @@ def test_npu_constraints_are_reported_before_any_call():
         device_type="npu",
         has_offsets=True,
     )
-    reasons = npu.unsupported_reasons(spec)
-    text = "\n".join(reasons)
-    assert "needs a bf16 query" in text
-    assert "needs head_dim 128" in text
-    assert "block_size 128 or 512" in text
-    assert "offsets" in text
+    text = "\n".join(NPUBackend(release="26.0.0").unsupported_reasons(spec))
+    for rule in (
+        "[fia.int8nz.query_dtype]",
+        "[fia.int8nz.head_dim]",
+        "[fia.int8nz.block_size]",
+        "[fia.int8nz.heads]",
+        "[npu.offsets]",
+    ):
+        assert rule in text
+    assert text.count("torch_npu 26.0.0") == 5
     ok = AttentionSpec(
         op="decode",
         mode="int8_kv",
         query_dtype=torch.bfloat16,
         cache_dtype=torch.int8,
         head_dim=128,
-        num_heads=8,
+        num_heads=64,
         num_kv_heads=8,
         block_size=128,
         layout="nz",
         device_type="npu",
     )
-    assert npu.unsupported_reasons(ok) == []
-    fa = AttentionSpec(
-        op="decode",
-        mode="faquant",
-        query_dtype=torch.bfloat16,
-        cache_dtype=torch.int8,
-        head_dim=128,
-        num_heads=8,
-        num_kv_heads=8,
-        block_size=128,
-        layout="nz",
-        device_type="npu",
-    )
-    assert any("ND int8 caches" in r for r in npu.unsupported_reasons(fa))
+    assert NPUBackend(release="7.2.0").unsupported_reasons(ok) == []
+    (reason,) = NPUBackend(release="7.1.0").unsupported_reasons(ok)
+    assert "[route.decode.int8_kv.nz]" in reason and "7.1.0" in reason
+    npu = NPUBackend()
+    assert npu.release == "26.0.0"  # no torch_npu loaded: the newest release
     assert npu.preferred_layout("faquant") == "nd"
+    assert npu.preferred_layout("float") == "nd"
+    assert npu.preferred_layout("float", mla=True) == "nz"
+    assert npu.preferred_layout("int8_kv") == "nz"
+    with pytest.raises(ValueError, match="unknown torch_npu release"):
+        NPUBackend(release="7.0.0")
 
 
 def test_kv_cache_shape():

@@ -217,3 +217,20 @@ def test_block_path_index_copy_branch(rng, monkeypatch, layout):
     reshape_and_cache(key, key, kc, vc, slots, layout=layout)
     reshape_and_cache_ref(key, key, kr, vr, slots, None, None, layout)
     assert torch.equal(kc, kr) and torch.equal(vc, vr)
+
+
+def test_golden_write_codes_equal_the_per_element_quantization_reference(rng):
+    """The golden cache write quantizes with its own half-to-even rule; its codes
+    equal the per-element loop of quantize_per_head_ref, ties and saturation
+    included."""
+    from ascend_fa.atb_ops.quant import quantize_per_head_ref
+
+    scale = torch.tensor([0.5, 0.25])
+    ties = torch.tensor([0.25, 0.75, -0.25, -1.25, 1.25, 63.75, -64.25, 70.0])
+    key = torch.cat([ties, torch.randn(24, generator=rng) * 30]).view(1, 2, 16)
+    key = key.repeat(3, 1, 1) * torch.tensor([1.0, -1.0, 0.5]).view(3, 1, 1)
+    kc, vc = _caches("nd", 1, 32, 2, 16, torch.int8, 0)
+    slots = torch.tensor([0, 5, 9], dtype=torch.int32)
+    reshape_and_cache_ref(key, key, kc, vc, slots, scale, scale, "nd")
+    want = quantize_per_head_ref(key, scale, axis=1)
+    assert torch.equal(kc[0, [0, 5, 9]], want)

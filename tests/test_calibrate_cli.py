@@ -372,3 +372,25 @@ def test_model_resolution_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert source_dtype(tmp_path, None) == torch.bfloat16
     assert source_dtype(tmp_path, "a.gguf") == torch.float32
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_picture_report(models, tmp_path):
+    import io
+
+    import matplotlib.image
+
+    out = tmp_path / "art"
+    assert calibrate(models["llama"], out) == 0
+    data = (out / "calibration_report.png").read_bytes()
+    width, height = _png_size(data)
+    assert width >= 300 and height >= 200
+    pixels = matplotlib.image.imread(io.BytesIO(data), format="png")
+    assert float(pixels[..., :3].std()) > 0.05  # drawn, not blank
+    assert inspect_artifact(out)["valid"]
+    assert calibrate(models["llama"], tmp_path / "b", "--no-report") == 0
+    assert not (tmp_path / "b" / "calibration_report.png").exists()

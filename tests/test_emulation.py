@@ -607,6 +607,50 @@ def test_cli_emulate_reports_all_modes(tmp_path, capsys):
     for mode in ("int8_kv", "faquant"):
         assert rows[mode]["n"] == 6 and 0 <= rows[mode]["matched"] <= 6
         assert rows[mode]["ppl"] != rows["float-paged"]["ppl"]
+    # Teacher-forced fidelity: the plain model agrees with itself exactly, the
+    # float paged cache reproduces it, the int8 paths are close but not equal.
+    assert rows["float (plain model)"]["kl"] == 0.0
+    assert rows["float (plain model)"]["top1"] == 1.0
+    assert rows["float-paged"]["kl"] < 1e-8 and rows["float-paged"]["top1"] == 1.0
+    for mode in ("int8_kv", "faquant"):
+        assert 0 < rows[mode]["kl"] < 0.05 and 0.8 <= rows[mode]["top1"] <= 1.0
+    assert "top-1" in printed and "KL" in printed
+
+
+def test_fidelity_matches_direct_kl():
+    """``fidelity`` is the mean over tokens of KL(ref || q) and of argmax agreement."""
+    from ascend_fa.emulation.verb import fidelity
+
+    g = torch.Generator().manual_seed(0)
+    windows = [torch.randint(0, 7, (5,), generator=g), torch.randint(0, 7, (3,))]
+    ref = [torch.randn(1, w.numel(), 7, generator=g) for w in windows]
+    q = [r + 0.3 * torch.randn(r.shape, generator=g) for r in ref]
+    got = fidelity(q, ref, windows)
+    kls, same = [], []
+    for r, x in zip(ref, q, strict=True):
+        p = torch.softmax(r.double(), -1)
+        kls += (p * (p.log() - torch.log_softmax(x.double(), -1))).sum(-1)[0].tolist()
+        same += (r.argmax(-1) == x.argmax(-1))[0].tolist()
+    assert abs(got["kl"] - sum(kls) / len(kls)) < 1e-6
+    assert got["top1"] == sum(same) / len(same)
+
+
+def test_greedy_plain_stops_at_end_of_turn():
+    """With ``eos_token_id`` greedy decoding stops once every row produced it, as the
+    paged runtime does; without it, it runs the full length."""
+    from ascend_fa.emulation.verb import greedy_plain
+
+    model = _tiny("llama")
+    ids = _ids(1, 9)
+    full = greedy_plain(model, ids, 12)[0]
+    eos = int(full[9 + 3])  # the fourth generated token
+    short = greedy_plain(model, ids, 12, eos_token_id=eos)[0]
+    first = (full[9:] == eos).nonzero()[0, 0].item()
+    assert short.numel() == 9 + first + 1 and int(short[-1]) == eos
+    assert torch.equal(short, full[: short.numel()])
+    with enable_paged_int8_attention(model, mode="float") as rt:
+        paged = rt.generate(ids, 12, eos_token_id=eos)[0]
+    assert torch.equal(paged, short)
 
 
 def test_cli_emulate_bad_arguments(tmp_path, capsys):

@@ -1,387 +1,325 @@
-"""NPU backend argument mapping, checked with a RECORDING FAKE of torch_npu.
+"""The NPU mapping driven into a STRICT FAKE of torch_npu, once per release.
 
-No device is involved: :mod:`fake_torch_npu` stands in for ``torch_npu`` and the
-backend runs on CPU tensors through ``NPUOnCPU`` (the real backend class with
-``device_type = "cpu"``), so the mapping, the documented signatures and the
-constraint checks are exercised; the fake computes results from the dequantized
-inputs, which are compared with the CPU emulation.
+No device is involved. :mod:`strict_fake_torch_npu` stands in for torch_npu (the
+calls of one release, bound to its yaml schemas, every documented rule enforced,
+the device's bytes written). The NPU backend registers its kernels for the
+PrivateUse1 key when it imports the fake; these tests reach those kernels by
+redispatching the ``ascend_fa`` ops to that key with host tensors (the
+subprocess tests in ``test_npu_route_subprocess.py`` go through the public API on
+tensors whose device is ``npu``). Values are compared with the CPU reference:
+cache bytes bit-equal, attention within the device error budget.
 """
 
 from __future__ import annotations
 
-import math
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-import fake_torch_npu
 import pytest
+import strict_fake_torch_npu as fake_npu
 import torch
-from ascend_fa.atb_ops import nz_cache_shape
-from ascend_fa.backends.npu import NPUBackend
+from ascend_fa.atb_ops.attention import mla_paged_attention_ref, paged_attention_ref
+from ascend_fa.backends import CapabilityError
+from ascend_fa.backends import npu as npu_backend
+from ascend_fa.backends.npu_capabilities import RELEASE_ENV_VAR, RELEASES
+from npu_cases import budget_ok, gqa_cache_shape, gqa_case, mla_cache_shapes, mla_case
 
-from ascend_fa import (
-    PagedKVCache,
-    mla_paged_attention,
-    paged_attention,
-    prefill_attention,
-    reshape_and_cache,
-    reshape_and_cache_mla,
-)
-
-TESTS = Path(__file__).parent
+PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
 
 
-class NPUOnCPU(NPUBackend):
-    """The NPU backend's mapping on CPU tensors (the fake does the "device" work)."""
+def cpu_write(*args, mla: bool = False) -> None:
+    """The CPU reference write (the emulation kernel, itself bit-equal to the
+    per-token loops in test_cache_write.py)."""
+    op = torch.ops.ascend_fa.reshape_and_cache_mla if mla else None
+    (op or torch.ops.ascend_fa.reshape_and_cache)(*args)
 
-    device_type = "cpu"
+
+def npu_op(name: str, *args):
+    """Run the kernel the NPU backend registered for ``ascend_fa::<name>``."""
+    return getattr(torch.ops.ascend_fa, name).default.redispatch(PRIVATEUSE1, *args)
 
 
-@pytest.fixture
-def fake():
-    module = fake_torch_npu.install()
+@pytest.fixture(params=RELEASES)
+def fake(request, monkeypatch):
+    release = request.param
+    if release == "7.3.0":  # binds like 7.2.0: only the variable tells them apart
+        monkeypatch.setenv(RELEASE_ENV_VAR, release)
+    module = fake_npu.install(release)
+    npu_backend.import_torch_npu()
+    assert npu_backend.current_release() == release
+    assert npu_backend.kernels_registered()
     yield module
-    fake_torch_npu.uninstall()
+    fake_npu.uninstall()
 
 
-def _table(rng, lens, bs):
-    per = [-(-n // bs) for n in lens]
-    order = torch.randperm(sum(per) + 1, generator=rng).tolist()
-    table = torch.zeros(len(lens), max(per), dtype=torch.int32)
-    slots, pos = [], 0
-    for b, n in enumerate(lens):
-        blocks = order[pos : pos + per[b]]
-        pos += per[b]
-        table[b, : per[b]] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[t // bs] * bs + t % bs for t in range(n)]
-    return table, torch.tensor(slots, dtype=torch.int32), sum(per) + 1
+def at_least(fake, release: str) -> bool:
+    return RELEASES.index(fake.release) >= RELEASES.index(release)
 
 
-def _gqa_env(rng, layout, lens=(20, 150), hkv=2, d=128, bs=128):
-    table, slots, nb = _table(rng, list(lens), bs)
-    shape = (
-        nz_cache_shape(nb, bs, hkv, d, torch.int8)
-        if layout == "nz"
-        else (nb, bs, hkv, d)
-    )
-    t = slots.numel()
-    key = torch.randn(t, hkv, d, generator=rng).bfloat16()
-    value = torch.randn(t, hkv, d, generator=rng).bfloat16()
-    return dict(
-        table=table,
-        slots=slots,
-        shape=shape,
-        key=key,
-        value=value,
-        ks=torch.tensor([0.03, 0.025]),
-        vs=torch.tensor([0.02, 0.03]),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-    )
-
-
-@pytest.mark.parametrize("layout,mode", [("nz", "PA_NZ"), ("nd", "Norm")])
-def test_cache_write_maps_to_quantize_then_scatter(fake, rng, layout, mode):
-    env = _gqa_env(rng, layout)
-    npu_k = torch.zeros(env["shape"], dtype=torch.int8)
-    npu_v = npu_k.clone()
-    cpu_k, cpu_v = npu_k.clone(), npu_k.clone()
-    slots = env["slots"].clone()
-    slots[3] = -1
-    args = (env["key"], env["value"])
-    kw = dict(k_scale=env["ks"], v_scale=env["vs"], layout=layout)
-    reshape_and_cache(*args, npu_k, npu_v, slots, **kw, backend=NPUOnCPU())
-    reshape_and_cache(*args, cpu_k, cpu_v, slots, **kw, backend="cpu")
-    assert [c.name for c in fake.calls] == [
-        "npu_quantize",
-        "npu_quantize",
-        "npu_scatter_pa_kv_cache",
-    ]
-    quant = fake.calls[0]
-    t = slots.numel()
-    assert quant["input"] == ((t, 2 * 128), torch.bfloat16)
-    assert quant["scales"] == ((2 * 128,), torch.float32)
-    assert quant["dtype"] is torch.qint8 and quant["axis"] == -1 and quant["div_mode"]
-    scatter = fake.calls[2]
-    assert scatter["cache_mode"] == mode
-    assert scatter["key"] == ((t, 2, 128), torch.int8)
-    assert scatter["slot_mapping"] == ((t,), torch.int32)
-    assert torch.equal(npu_k, cpu_k) and torch.equal(npu_v, cpu_v)  # codes bit-exact
-
-
-def test_int8_kv_decode_maps_to_fused_infer_attention(fake, rng):
-    env = _gqa_env(rng, "nz")
-    kc = torch.zeros(env["shape"], dtype=torch.int8)
-    vc = kc.clone()
-    reshape_and_cache(
-        env["key"],
-        env["value"],
-        kc,
-        vc,
-        env["slots"],
-        k_scale=env["ks"],
-        v_scale=env["vs"],
-    )
-    q = torch.randn(2, 8, 128, generator=rng).bfloat16()
-    kw = dict(
-        num_kv_heads=2, scale=1 / math.sqrt(128), k_scale=env["ks"], v_scale=env["vs"]
-    )
-    args = (q, kc, vc, env["table"], env["seq_lens"])
-    out = paged_attention(*args, **kw, backend=NPUOnCPU())
-    emu = paged_attention(*args, **kw, backend="cpu")
-    (call,) = fake.calls_to("npu_fused_infer_attention_score")
-    assert call["query"] == ((2, 8, 1, 128), torch.bfloat16)
-    nb = env["shape"][0]
-    assert call["key"] == ((nb, 2, 4, 128, 32), torch.int8)
-    assert call["key_antiquant_scale"] == ((2, 1, 128), torch.float32)
-    assert call["num_heads"] == 8 and call["num_key_value_heads"] == 2
-    assert call["input_layout"] == "BNSD" and call["block_size"] == 128
-    assert call["actual_seq_lengths_kv"] == [20, 150]
-    assert call["key_antiquant_mode"] == 0 and call["inner_precise"] == 1
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
-    assert float((out.float() - emu.float()).abs().max()) <= 1e-2
-
-
-def test_faquant_decode_maps_to_atb_paged_attention_quant(fake, rng):
-    env = _gqa_env(rng, "nd")
-    cache = PagedKVCache(
-        1,
-        2,
-        128,
-        num_blocks=env["shape"][0],
-        block_size=128,
-        mode="faquant",
-        backend=NPUOnCPU(),
-    )
-    assert cache.layout == "nd"  # the ATB FAQuant op reads ND int8 caches
-    kc, vc = cache.layer(0)
-    assert kc.shape == env["shape"]
-    reshape_and_cache(
-        env["key"],
-        env["value"],
-        kc,
-        vc,
-        env["slots"],
-        k_scale=env["ks"],
-        v_scale=env["vs"],
-        layout="nd",
-        backend=NPUOnCPU(),
-    )
-    q = torch.randn(2, 8, 128, generator=rng).bfloat16()
-    qs = torch.full((8,), 0.03)
-    kw = dict(
-        num_kv_heads=2,
-        scale=1 / math.sqrt(128),
-        k_scale=env["ks"],
-        v_scale=env["vs"],
-        q_scale=qs,
-        layout="nd",
-    )
-    args = (q, kc, vc, env["table"], env["seq_lens"])
-    out = paged_attention(*args, **kw, backend=NPUOnCPU())
-    emu = paged_attention(*args, **kw, backend="cpu")
-    (call,) = fake.calls_to("_npu_paged_attention_quant")
-    assert call["query"] == ((2, 8, 128), torch.int8)
-    assert call["quant_type"] == 3 and call["outdatatype"] == 27
-    assert call["qk_descale"] == ((8,), torch.float32)
-    assert call["num_kv_heads"] == 2 and call["num_heads"] == 8
-    assert float((out.float() - emu.float()).abs().max()) <= 1e-2
-
-
-@pytest.mark.parametrize("static", [False, True])
-def test_mla_decode_maps_to_fused_infer_attention_v2(fake, rng, static):
-    lens, bs = [30, 140], 128
-    table, slots, nb = _table(rng, lens, bs)
-    latent = torch.randn(slots.numel(), 512, generator=rng).bfloat16()
-    rope = torch.randn(slots.numel(), 64, generator=rng).bfloat16()
-    lc = torch.zeros(nz_cache_shape(nb, bs, 1, 512, torch.int8), dtype=torch.int8)
-    rc = torch.zeros(
-        nz_cache_shape(nb, bs, 1, 64, torch.bfloat16), dtype=torch.bfloat16
-    )
-    ks = torch.tensor([0.03])
-    reshape_and_cache_mla(latent, rope, lc, rc, slots, k_scale=ks, backend=NPUOnCPU())
-    lc2, rc2 = torch.zeros_like(lc), torch.zeros_like(rc)
-    reshape_and_cache_mla(latent, rope, lc2, rc2, slots, k_scale=ks, backend="cpu")
-    assert torch.equal(lc, lc2) and torch.equal(rc, rc2)
-    qn = torch.randn(2, 4, 512, generator=rng).bfloat16()
-    qr = torch.randn(2, 4, 64, generator=rng).bfloat16()
-    qs = torch.full((4,), 0.03) if static else None
-    sl = torch.tensor(lens, dtype=torch.int32)
-    args = (qn, qr, lc, rc, table, sl)
-    out = mla_paged_attention(
-        *args, scale=0.07, k_scale=ks, q_scale=qs, backend=NPUOnCPU()
-    )
-    emu = mla_paged_attention(*args, scale=0.07, k_scale=ks, q_scale=qs, backend="cpu")
-    (call,) = fake.calls_to("npu_fused_infer_attention_score_v2")
-    assert call["query"] == ((2, 1, 4, 512), torch.int8)
-    assert call["key"] == ((nb, 1, 16, 128, 32), torch.int8)
-    assert call["key_rope"] == ((nb, 1, 4, 128, 16), torch.bfloat16)
-    assert call["dequant_scale_query"] == ((2, 1, 4), torch.float32)
-    assert call["dequant_scale_key"] == ((1,), torch.float32)
-    assert (call["query_quant_mode"], call["key_quant_mode"]) == (3, 0)
-    assert call["input_layout"] == "BSND_NBSD" and call["actual_seq_kvlen"] == lens
-    assert out.shape == (2, 4, 512)
-    assert float((out.float() - emu.float()).abs().max()) <= 1e-2
-
-
-def test_unsupported_specs_are_refused_before_any_device_call(fake, rng):
-    d, hkv, bs = 64, 2, 64
-    kc = torch.zeros(nz_cache_shape(3, bs, hkv, d, torch.int8), dtype=torch.int8)
-    q = torch.randn(1, 4, d).half()
-    with pytest.raises(ValueError) as err:
-        paged_attention(
-            q,
-            kc,
-            kc.clone(),
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([5], dtype=torch.int32),
-            num_kv_heads=hkv,
-            scale=0.1,
-            k_scale=torch.full((hkv,), 0.1),
-            v_scale=torch.full((hkv,), 0.1),
-            backend=NPUOnCPU(),
-        )
+def refused(fake, fn, *names):
+    """``fn`` raises CapabilityError naming each of ``names`` and the release,
+    before any torch_npu call."""
+    with pytest.raises(CapabilityError) as err:
+        fn()
     msg = str(err.value)
-    for reason in ("needs a bf16 query", "needs head_dim 128", "block_size 128 or 512"):
-        assert reason in msg
-    # FAQuant over an NZ cache, and prefill, are refused too
-    with pytest.raises(ValueError, match="ND int8 caches"):
-        paged_attention(
-            q.bfloat16(),
-            kc,
-            kc.clone(),
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([5], dtype=torch.int32),
-            num_kv_heads=hkv,
-            scale=0.1,
-            k_scale=torch.full((hkv,), 0.1),
-            v_scale=torch.full((hkv,), 0.1),
-            q_scale=torch.full((4,), 0.1),
-            backend=NPUOnCPU(),
-        )
-    with pytest.raises(ValueError, match="prefill is not mapped"):
-        prefill_attention(
-            q.bfloat16().unsqueeze(1),
-            kc,
-            kc.clone(),
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([5], dtype=torch.int32),
-            num_kv_heads=hkv,
-            scale=0.1,
-            k_scale=torch.full((hkv,), 0.1),
-            v_scale=torch.full((hkv,), 0.1),
-            backend=NPUOnCPU(),
-        )
-    assert fake.calls == []  # nothing reached torch_npu
+    for name in (*names, f"torch_npu {fake.release}"):
+        assert name in msg, msg
+    assert fake.calls == []
+    return msg
 
 
-def test_fake_rejects_undocumented_arguments(fake):
-    key = torch.zeros(2, 1, 32, dtype=torch.int8)
-    cache = torch.zeros(1, 1, 32, 32, dtype=torch.int8)
-    slots = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(fake_torch_npu.FakeSignatureError, match="cache_mode must be"):
-        fake.npu_scatter_pa_kv_cache(key, key, cache, cache, slots, cache_mode="NZ")
-    with pytest.raises(fake_torch_npu.FakeSignatureError, match="unknown keyword"):
-        fake.npu_scatter_pa_kv_cache(
-            key, key, cache, cache, slots, cache_mode="PA_NZ", layout="nz"
-        )
-    with pytest.raises(fake_torch_npu.FakeSignatureError, match="slot_mapping dtype"):
-        fake.npu_scatter_pa_kv_cache(
-            key, key, cache, cache, slots.long(), cache_mode="PA_NZ"
-        )
-    with pytest.raises(
-        fake_torch_npu.FakeSignatureError, match="div_mode must be True"
-    ):
-        fake.npu_quantize(
-            torch.zeros(2, 4), torch.ones(4), None, torch.qint8, -1, div_mode=False
-        )
+# -- release detection ------------------------------------------------------------
+@pytest.mark.parametrize("release", RELEASES)
+def test_release_detected_from_the_calls_it_offers(release):
+    module = fake_npu.StrictFakeTorchNPU(release)
+    expected = "7.2.0" if release == "7.3.0" else release
+    assert npu_backend.detect_release(module) == expected
 
 
-def _run(code: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        cwd=TESTS,
-        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PATH": "/usr/bin:/bin"},
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+def test_release_named_by_the_version_string():
+    module = fake_npu.StrictFakeTorchNPU("7.2.0")
+    module.__version__ = "2.7.1-7.3.0"
+    assert npu_backend.detect_release(module) == "7.3.0"
+    module.__version__ = "2.7.1.post4"  # a plain torch_npu version names none
+    assert npu_backend.detect_release(module) == "7.2.0"
+
+
+def test_release_variable_overrides_and_is_validated(monkeypatch):
+    monkeypatch.setenv(RELEASE_ENV_VAR, "7.3.0")
+    assert npu_backend.detect_release(fake_npu.StrictFakeTorchNPU("7.2.0")) == "7.3.0"
+    monkeypatch.setenv(RELEASE_ENV_VAR, "9.9.9")
+    with pytest.raises(ValueError, match="unknown torch_npu release '9.9.9'"):
+        npu_backend.detect_release(fake_npu.StrictFakeTorchNPU("7.2.0"))
+
+
+# -- cache writes --------------------------------------------------------------------
+@pytest.mark.parametrize("quantized", [False, True])
+def test_nz_cache_write(fake, quantized):
+    case = gqa_case()
+    dtype = torch.int8 if quantized else torch.bfloat16
+    shape = gqa_cache_shape(case, dtype, "nz")
+    kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    scales = (case["ks"], case["vs"]) if quantized else (None, None)
+    args = (case["key"], case["value"], kc, vc, case["slots"], *scales, "nz")
+    if not at_least(fake, "7.2.0"):
+        refused(fake, lambda: npu_op("reshape_and_cache", *args),
+                "[route.cache_write.nz]", "7.2.0")  # fmt: skip
+        return
+    npu_op("reshape_and_cache", *args)
+    want = ["npu_quantize", "npu_quantize"] if quantized else []
+    assert fake.call_names == [*want, "npu_scatter_pa_kv_cache"]
+    scatter = fake.calls[-1]
+    # cache_mode is a keyword from 26.0.0 on; before, passing it is a TypeError
+    assert ("cache_mode" in scatter.args) == at_least(fake, "26.0.0")
+    if "cache_mode" in scatter.args:
+        assert scatter["cache_mode"] == "PA_NZ"
+    t = case["slots"].numel() - 1  # the padding token never reaches the device
+    assert tuple(scatter["slot_mapping"].shape) == (t,)
+    assert bool((scatter["slot_mapping"] >= 0).all())
+    assert scatter["key"].dtype == dtype == scatter["key_cache"].dtype
+    wk, wv = torch.zeros_like(kc), torch.zeros_like(vc)
+    cpu_write(case["key"], case["value"], wk, wv, case["slots"], *scales, "nz")
+    assert torch.equal(kc, wk) and torch.equal(vc, wv)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_nd_cache_write_goes_through_atb(fake, quantized):
+    case = gqa_case()
+    dtype = torch.int8 if quantized else torch.bfloat16
+    shape = gqa_cache_shape(case, dtype, "nd")
+    kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    scales = (case["ks"], case["vs"]) if quantized else (None, None)
+    npu_op(
+        "reshape_and_cache", case["key"], case["value"], kc, vc, case["slots"],
+        *scales, "nd",
+    )  # fmt: skip
+    assert fake.call_names[-1] == "_npu_reshape_and_cache"
+    assert "npu_scatter_pa_kv_cache" not in fake.call_names
+    assert fake.calls[-1]["slot_indices"].dtype == torch.int32
+    wk, wv = torch.zeros_like(kc), torch.zeros_like(vc)
+    cpu_write(case["key"], case["value"], wk, wv, case["slots"], *scales, "nd")
+    assert torch.equal(kc, wk) and torch.equal(vc, wv)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("layout", ["nz", "nd"])
+def test_mla_cache_write_never_mixes_dtypes(fake, quantized, layout):
+    case = mla_case()
+    (lshape, ldt), (rshape, rdt) = mla_cache_shapes(case, quantized, layout)
+    lc, rc = torch.zeros(lshape, dtype=ldt), torch.zeros(rshape, dtype=rdt)
+    ks = case["ks"] if quantized else None
+    args = (case["latent"], case["rope"], lc, rc, case["slots"], ks, layout)
+    if layout == "nz" and not at_least(fake, "7.2.0"):
+        refused(fake, lambda: npu_op("reshape_and_cache_mla", *args),
+                "[route.mla_cache_write.nz]", "7.2.0")  # fmt: skip
+        return
+    npu_op("reshape_and_cache_mla", *args)
+    writes = [c for c in fake.calls if c.name != "npu_quantize"]
+    assert len(writes) == 1
+    w = writes[0]
+    names = ("key", "value", "key_cache", "value_cache")
+    assert len({w[n].dtype for n in names}) == 1  # rule 3: one dtype per call
+    wl, wr = torch.zeros_like(lc), torch.zeros_like(rc)
+    cpu_write(case["latent"], case["rope"], wl, wr, case["slots"], ks, layout, mla=True)
+    assert torch.equal(lc, wl) and torch.equal(rc, wr)
+
+
+# -- decode --------------------------------------------------------------------------
+def _gqa_caches(case, mode, layout):
+    dtype = torch.bfloat16 if mode == "float" else torch.int8
+    shape = gqa_cache_shape(case, dtype, layout)
+    kc, vc = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    scales = (None, None) if mode == "float" else (case["ks"], case["vs"])
+    cpu_write(case["key"], case["value"], kc, vc, case["slots"], *scales, layout)
+    return kc, vc, scales
+
+
+def _decode(case, mode, layout, kc, vc, scales):
+    q_scale = case["qs"] if mode == "faquant" else None
+    args = (case["query"], kc, vc, case["table"], case["seq_lens"])
+    kw = dict(
+        num_kv_heads=case["hkv"], scale=case["scale"], k_scale=scales[0],
+        v_scale=scales[1], q_scale=q_scale, layout=layout,
+    )  # fmt: skip
+    return args, kw, lambda: npu_op(
+        "paged_attention", *args, case["hkv"], case["scale"], scales[0], scales[1],
+        q_scale, layout,
+    )  # fmt: skip
+
+
+def test_float_decode_reads_the_nd_paged_layout(fake):
+    case = gqa_case()
+    kc, vc, scales = _gqa_caches(case, "float", "nd")
+    args, kw, run = _decode(case, "float", "nd", kc, vc, scales)
+    out = run()
+    (call,) = fake.calls_to("npu_fused_infer_attention_score")
+    assert tuple(call["key"].shape) == (case["nb"], case["bs"], case["hkv"] * 128)
+    assert call["input_layout"] == "BNSD" and call["inner_precise"] == 0
+    assert call["key_antiquant_scale"] is None
+    ok, err, allowed = budget_ok(out, paged_attention_ref, args, kw)
+    assert ok, (err, allowed)
+
+
+def test_float_nz_decode_is_refused(fake):
+    case = gqa_case()
+    kc, vc, scales = _gqa_caches(case, "float", "nz")
+    _, _, run = _decode(case, "float", "nz", kc, vc, scales)
+    refused(fake, run, "[route]", "decode", "'nz'")
+
+
+def test_int8_kv_decode(fake):
+    case = gqa_case()
+    kc, vc, scales = _gqa_caches(case, "int8_kv", "nz")
+    args, kw, run = _decode(case, "int8_kv", "nz", kc, vc, scales)
+    if not at_least(fake, "7.2.0"):
+        refused(fake, run, "[route.decode.int8_kv.nz]", "7.2.0")
+        return
+    out = run()
+    (call,) = fake.calls_to("npu_fused_infer_attention_score")
+    s = call["key_antiquant_scale"]
+    assert s.dtype == torch.bfloat16 and s.is_contiguous()
+    assert tuple(s.shape) == (case["hkv"], 1, case["d"])
+    assert call["inner_precise"] == 1 and call["key_antiquant_mode"] == 0
+    assert tuple(call["key"].shape) == (case["nb"], 1, 4, 128, 32)
+    assert call["actual_seq_lengths_kv"] == [20, 150]
+    ok, err, allowed = budget_ok(out, paged_attention_ref, args, kw)
+    assert ok, (err, allowed)
+
+
+def test_int8_kv_head_pair_refused_before_any_call(fake):
+    case = gqa_case(h=32, hkv=8)
+    kc, vc, scales = _gqa_caches(case, "int8_kv", "nz")
+    _, _, run = _decode(case, "int8_kv", "nz", kc, vc, scales)
+    if not at_least(fake, "7.2.0"):
+        refused(fake, run, "[route.decode.int8_kv.nz]")
+        return
+    msg = refused(fake, run, "[fia.int8nz.heads]", "(32, 8)")
+    for pair in ("(10, 1)", "(64, 8)", "(80, 8)", "(128, 16)"):
+        assert pair in msg
+
+
+def test_faquant_decode_through_atb_with_host_context_lens(fake):
+    case = gqa_case()
+    kc, vc, scales = _gqa_caches(case, "faquant", "nd")
+    args, kw, run = _decode(case, "faquant", "nd", kc, vc, scales)
+    out = run()
+    assert fake.call_names == ["npu_quantize", "_npu_paged_attention_quant"]
+    call = fake.calls[-1]
+    lens = call["context_lens"]
+    assert lens.dtype == torch.int32 and lens.device.type == "cpu"
+    assert call["quant_type"] == 3 and call["outdata_type"] == 27
+    assert call["query"].dtype == torch.int8
+    ok, err, allowed = budget_ok(out, paged_attention_ref, args, kw)
+    assert ok, (err, allowed)
+
+
+def test_prefill_is_refused(fake):
+    case = gqa_case()
+    kc, vc, scales = _gqa_caches(case, "int8_kv", "nz")
+    refused(
+        fake,
+        lambda: npu_op(
+            "prefill_attention", case["query"].unsqueeze(1), kc, vc, case["table"],
+            case["seq_lens"], None, 1, 0.1, *scales, None, "nz",
+        ),
+        "prefill",
+    )  # fmt: skip
+
+
+def _mla_caches(case, quantized):
+    (lshape, ldt), (rshape, rdt) = mla_cache_shapes(case, quantized)
+    lc, rc = torch.zeros(lshape, dtype=ldt), torch.zeros(rshape, dtype=rdt)
+    ks = case["ks"] if quantized else None
+    cpu_write(case["latent"], case["rope"], lc, rc, case["slots"], ks, "nz", mla=True)
+    return lc, rc, ks
+
+
+@pytest.mark.parametrize("q_mode", ["dynamic", "static", "float"])
+def test_mla_decode(fake, q_mode):
+    case = mla_case()
+    lc, rc, ks = _mla_caches(case, q_mode != "float")
+    qs = case["qs"] if q_mode == "static" else None
+    args = (case["qn"], case["qr"], lc, rc, case["table"], case["seq_lens"])
+
+    def run():
+        return npu_op("mla_paged_attention", *args, case["scale"], ks, qs, "nz")
+
+    if not at_least(fake, "7.2.0"):
+        refused(fake, run, "[route.mla_decode.nz]", "7.2.0")
+        return
+    out = run()
+    (call,) = fake.calls_to("npu_fused_infer_attention_score_v2")
+    assert call["input_layout"] == "BSND_NBSD" and call["key"] is call["value"]
+    if q_mode != "float":
+        assert call["query"].dtype == torch.int8
+        assert tuple(call["dequant_scale_query"].shape) == (2, 1, 16)
+        assert (call["query_quant_mode"], call["key_quant_mode"]) == (3, 0)
+    kw = dict(scale=case["scale"], k_scale=ks, q_scale=qs)
+    ok, err, allowed = budget_ok(out, mla_paged_attention_ref, args, kw)
+    assert ok, (err, allowed)
+
+
+def test_mla_query_heads_must_be_a_power_of_two(fake):
+    case = mla_case(h=12)
+    lc, rc, ks = _mla_caches(case, True)
+    args = (case["qn"], case["qr"], lc, rc, case["table"], case["seq_lens"])
+
+    def run():
+        return npu_op("mla_paged_attention", *args, case["scale"], ks, None, "nz")
+
+    if not at_least(fake, "7.2.0"):
+        refused(fake, run, "[route.mla_decode.nz]")
+        return
+    refused(fake, run, "[fia2.mla.heads]", "num_heads = 12", "power of two <= 128")
 
 
 def test_import_ascend_fa_never_imports_torch_npu():
-    out = _run("""
-        import sys
-        import ascend_fa
-        ascend_fa.reshape_and_cache, ascend_fa.paged_attention, ascend_fa.PagedKVCache
-        import ascend_fa.backends.npu
-        print('torch_npu' in sys.modules)
-    """)
-    assert out == "False"
+    import subprocess
+    import sys
 
-
-def test_npu_kernels_registered_after_import_subprocess():
-    """With PrivateUse1 named "npu" (what torch_npu's import does), importing the
-    backend's torch_npu registers an ``npu`` kernel for each ascend_fa op."""
-    out = _run("""
-        import torch
-        import fake_torch_npu
-        from ascend_fa.backends import npu
-        fake_torch_npu.install(rename_privateuse1=True)
-        has = torch._C._dispatch_has_kernel_for_dispatch_key
-        before = has("ascend_fa::paged_attention", "PrivateUse1")
-        npu.import_torch_npu()
-        names = ["reshape_and_cache", "reshape_and_cache_mla", "paged_attention",
-                 "mla_paged_attention"]
-        print(before, all(has(f"ascend_fa::{n}", "PrivateUse1") for n in names))
-    """)
-    assert out == "False True"
-
-
-def test_selftest_through_the_fake_npu_backend(fake):
-    """``ascend-fa selftest --backend npu`` logic: every op the NPU maps passes against
-    the CPU reference; prefill (not mapped) is reported as SKIP with its reason."""
-    from ascend_fa.cli.selftest import run_selftest
-
-    rows = {r["op"]: r for r in run_selftest(NPUOnCPU(), seed=1)}
-    assert rows["prefill_attention int8_kv"]["status"] == "SKIP"
-    assert "prefill is not mapped" in rows["prefill_attention int8_kv"]["detail"]
-    assert rows["mla_prefill_attention"]["status"] == "SKIP"
-    others = [r for name, r in rows.items() if "prefill" not in name]
-    assert all(r["status"] == "PASS" for r in others), others
-    names = {c.name for c in fake.calls}
-    assert names == {
-        "npu_quantize",
-        "npu_scatter_pa_kv_cache",
-        "npu_fused_infer_attention_score",
-        "_npu_paged_attention_quant",
-        "npu_fused_infer_attention_score_v2",
-    }
-
-
-def test_cache_write_and_mla_widths_refused_on_npu(fake):
-    key = torch.randn(4, 4, 8).half()  # D * 2 bytes = 16: not a whole 32-byte row
-    kc = torch.zeros(nz_cache_shape(2, 16, 4, 8, torch.float16), dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"needs D \* itemsize % 32 == 0, got 8 \* 2"):
-        reshape_and_cache(key, key, kc, kc.clone(), torch.arange(4), backend=NPUOnCPU())
-    lat = torch.randn(3, 128).bfloat16()
-    rope = torch.randn(3, 32).bfloat16()
-    lc = torch.zeros(nz_cache_shape(2, 128, 1, 128, torch.int8), dtype=torch.int8)
-    rc = torch.zeros(
-        nz_cache_shape(2, 128, 1, 32, torch.bfloat16), dtype=torch.bfloat16
+    code = (
+        "import sys, ascend_fa; ascend_fa.paged_attention; ascend_fa.PagedKVCache; "
+        "import ascend_fa.backends.npu; ascend_fa.get_backend(); "
+        "print('torch_npu' in sys.modules)"
     )
-    with pytest.raises(ValueError) as err:
-        reshape_and_cache_mla(
-            lat,
-            rope,
-            lc,
-            rc,
-            torch.arange(3),
-            k_scale=torch.tensor([0.1]),
-            backend=NPUOnCPU(),
-        )
-    assert "latent width R = 512, got 128" in str(err.value)
-    assert "rope width Dr = 64, got 32" in str(err.value)
-    assert fake.calls == []
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"

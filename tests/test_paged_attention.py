@@ -267,16 +267,6 @@ def test_opcheck_attention_ops(rng):
     )
 
 
-def test_selftest_cli_passes_on_cpu(capsys):
-    """``ascend-fa selftest`` on CPU: default kernels vs the naive references."""
-    from ascend_fa.cli import main
-
-    assert main(["selftest", "--backend", "cpu"]) == 0
-    out = capsys.readouterr().out
-    assert "12 passed, 0 failed, 0 skipped" in out
-    assert "| reshape_and_cache int8 nz " in out
-
-
 def test_decode_groups_and_prefill_row_chunks_do_not_change_results(rng, monkeypatch):
     """Decode batches sequences into groups and prefill splits query rows into
     chunks to bound memory; forcing the smallest groups/chunks must not change the

@@ -78,6 +78,7 @@ __all__ = [
     "atomic_output_dir",
     "write_json",
     "plain_file_modes",
+    "write_extra_files",
 ]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -317,6 +318,15 @@ def plain_file_modes(directory: Path) -> None:
             os.chmod(path, 0o666 & ~umask)
 
 
+def write_extra_files(directory: Path, files: Mapping[str, bytes] | None) -> None:
+    """Write ``files`` (plain file name -> bytes, e.g. the picture report) into
+    ``directory``; a name with a path separator is refused."""
+    for name, data in (files or {}).items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"extra file name must be a plain file name: {name!r}")
+        (directory / name).write_bytes(data)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -390,6 +400,7 @@ def export_artifact(
     source_dir: str | Path | None = None,
     tokenizer: Any = None,
     report: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     target: str | None = None,
@@ -477,6 +488,7 @@ def export_artifact(
             tokenizer.save_pretrained(str(tmp))
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        write_extra_files(tmp, extra_files)
         plain_file_modes(tmp)
     return Path(output)
 
@@ -498,6 +510,7 @@ def merge_into(
     fa_quant_type: str | None = None,
     output: str | Path | None = None,
     report: Mapping[str, Any] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
     consumer: str | None = None,
     kv_scales: KVScaleMap | None = None,
@@ -607,6 +620,7 @@ def merge_into(
             write_json(tmp / "config.json", cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
+        write_extra_files(tmp, extra_files)
         plain_file_modes(tmp)
         if consumer is not None:
             from .inspect import inspect_artifact

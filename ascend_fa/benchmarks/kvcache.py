@@ -1,18 +1,20 @@
-"""``ascend-fa bench kvcache``: paged NZ cache writes and KV-cache memory per token.
+"""``ascend-fa bench kvcache``: paged cache writes and KV-cache memory per token.
 
-Write throughput is GB/s of *cache bytes written* (K and V) by ``reshape_and_cache``
-(the public call: validation, quantize-on-write for int8, scatter) for ``T`` tokens,
-next to ``torch.clone`` of the same number of bytes measured in the same run (the
-memcpy limit). Goal: >= 0.5x of clone at T = 4096, Hkv = 8, D = 128.
+Write throughput is GB/s of *cache bytes written* by ``reshape_and_cache`` /
+``reshape_and_cache_mla`` (the public calls: validation, quantize-on-write for
+int8, scatter) for ``T`` tokens, next to ``torch.clone`` of the same number of
+bytes measured alternately with it on the same device (the memcpy limit,
+allocation included). Goals at T = 4096, Hkv = 8, D = 128, block 128: prefill writes
+>= 0.5x of clone for the int8 NZ cache (quantize-on-write) and the float ND cache,
+GQA and MLA (R = 512, Dr = 64).
 
-Two slot patterns: ``prefill`` — whole blocks handed out in shuffled order (what a
-block allocator gives a new prompt), and ``scattered`` — distinct random slots (the
-worst case; a decode step writes like this, one token per sequence).
+Two slot patterns: ``prefill`` (whole blocks handed out in shuffled order, what a
+block allocator gives a new prompt) and ``scattered`` (distinct random slots: a
+decode step writes like this, one token per sequence).
 
-Memory per token: K + V cache bytes per token and layer (including the per-layer
-fp32 scales amortized over the context) for bf16 versus int8 GQA caches (goal:
-ratio <= 0.51), and for MLA: bf16 latent + rope versus FAKQuant (int8 latent, bf16
-rope).
+Memory per token: K + V cache bytes per token and layer (with the per-layer fp32
+scales amortized over the context) for bf16 versus int8 GQA caches (goal <= 0.51),
+and MLA bf16 latent + rope versus FAKQuant (int8 latent, bf16 rope).
 """
 
 from __future__ import annotations
@@ -21,16 +23,28 @@ import argparse
 
 import torch
 
-from ._util import gbps, print_table, time_fn, write_json
+from ..errors import UnsupportedError
+from ._device import add_backend_argument, bench_backend, time_pair
+from ._util import gbps, print_table, write_json
 
 NAME = "kvcache"
-HELP = "reshape_and_cache GB/s vs torch.clone (fp16, int8 NZ) and KV bytes per token"
+HELP = "reshape_and_cache GB/s vs torch.clone (float/int8, NZ/ND, GQA/MLA), KV bytes"
 
 GOAL_WRITE = 0.5
 GOAL_BYTES = 0.51
+#: (label, cache dtype, layout, MLA?) of each write row; goal rows are marked.
+WRITES = [
+    ("float16 NZ", torch.float16, "nz", False, False),
+    ("float16 ND", torch.float16, "nd", False, True),
+    ("int8 NZ (quantize-on-write)", torch.int8, "nz", False, True),
+    ("int8 ND (quantize-on-write)", torch.int8, "nd", False, False),
+    ("MLA FAKQuant int8 NZ + bf16 rope", torch.int8, "nz", True, True),
+    ("MLA bf16 ND latent + rope", torch.bfloat16, "nd", True, True),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_backend_argument(parser)
     parser.add_argument("--tokens", type=int, default=4096, help="T (default 4096)")
     parser.add_argument("--kv-heads", type=int, default=8, help="Hkv (default 8)")
     parser.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
@@ -66,8 +80,12 @@ def _bytes_per_token(hkv: int, d: int, bs: int, context: int) -> list[list[objec
 
     nb = -(-context // bs)
     rows = []
-    bf = PagedKVCache(1, hkv, d, num_blocks=nb, block_size=bs, dtype=torch.bfloat16)
-    i8 = PagedKVCache(1, hkv, d, num_blocks=nb, block_size=bs, mode="int8_kv")
+    bf = PagedKVCache(
+        1, hkv, d, num_blocks=nb, block_size=bs, dtype=torch.bfloat16, backend="cpu"
+    )
+    i8 = PagedKVCache(
+        1, hkv, d, num_blocks=nb, block_size=bs, mode="int8_kv", backend="cpu"
+    )
     base = bf.bytes_per_token()
     q8 = i8.bytes_per_token(scale_bytes=2 * hkv * 4)  # fa_k, fa_v scales, fp32 [Hkv]
     rows.append([f"GQA Hkv={hkv} D={d}", "bf16 K+V", base, 1.0, ""])
@@ -80,10 +98,9 @@ def _bytes_per_token(hkv: int, d: int, bs: int, context: int) -> list[list[objec
             "PASS" if q8 / base <= GOAL_BYTES else "FAIL",
         ]
     )
-    mbf = PagedKVCache(1, 1, 512, num_blocks=nb, block_size=bs, mla=True, rope_dim=64)
-    m8 = PagedKVCache(
-        1, 1, 512, num_blocks=nb, block_size=bs, mla=True, rope_dim=64, mode="fakquant"
-    )
+    kw = dict(num_blocks=nb, block_size=bs, mla=True, rope_dim=64, backend="cpu")
+    mbf = PagedKVCache(1, 1, 512, **kw)
+    m8 = PagedKVCache(1, 1, 512, mode="fakquant", **kw)
     mbase = mbf.bytes_per_token()
     mq = m8.bytes_per_token(scale_bytes=4)  # fa_k.scale [1] fp32
     rows.append(["MLA R=512 Dr=64", "bf16 latent+rope", mbase, 1.0, ""])
@@ -93,10 +110,54 @@ def _bytes_per_token(hkv: int, d: int, bs: int, context: int) -> list[list[objec
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from ascend_fa import reshape_and_cache
+def _cache(shape, dtype, dev):
+    return torch.zeros(shape, dtype=dtype, device=dev)
+
+
+def _writer(args, dev, t, hkv, d, bs, nb, dtype, layout, mla, slots, gen):
+    """``(write fn, bytes written per call)`` of one row."""
+    from ascend_fa import reshape_and_cache, reshape_and_cache_mla
     from ascend_fa.atb_ops import nz_cache_shape
 
+    quant = dtype == torch.int8
+    if mla:
+        r, dr = 512, 64
+        latent = torch.randn(t, r, generator=gen).bfloat16().to(dev)
+        rope = torch.randn(t, dr, generator=gen).bfloat16().to(dev)
+        shapes = [
+            nz_cache_shape(nb, bs, 1, w, dt) if layout == "nz" else (nb, bs, 1, w)
+            for w, dt in ((r, dtype), (dr, torch.bfloat16))
+        ]
+        lc, rc = _cache(shapes[0], dtype, dev), _cache(shapes[1], torch.bfloat16, dev)
+        ks = torch.full((1,), 0.02, device=dev) if quant else None
+        nbytes = t * (r * lc.element_size() + dr * rc.element_size())
+
+        def write():
+            reshape_and_cache_mla(
+                latent, rope, lc, rc, slots, k_scale=ks, layout=layout
+            )
+
+        return write, nbytes
+    key = torch.randn(t, hkv, d, generator=gen).half().to(dev)
+    value = torch.randn(t, hkv, d, generator=gen).half().to(dev)
+    shape = (
+        nz_cache_shape(nb, bs, hkv, d, dtype) if layout == "nz" else (nb, bs, hkv, d)
+    )
+    kc, vc = _cache(shape, dtype, dev), _cache(shape, dtype, dev)
+    scale = torch.full((hkv,), 0.02, device=dev) if quant else None
+    nbytes = 2 * t * hkv * d * kc.element_size()
+
+    def write():
+        reshape_and_cache(
+            key, value, kc, vc, slots, k_scale=scale, v_scale=scale, layout=layout
+        )
+
+    return write, nbytes
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = bench_backend(args.backend)
+    dev = backend.device
     t = 1024 if args.quick else args.tokens
     repeats = 3 if args.quick else args.repeats
     if args.threads:
@@ -104,50 +165,34 @@ def run(args: argparse.Namespace) -> int:
     hkv, d, bs = args.kv_heads, args.head_dim, args.block_size
     nb = -(-t // bs) * 2
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(t, hkv, d, generator=gen).half()
-    value = torch.randn(t, hkv, d, generator=gen).half()
-    rows, results, worst = [], [], float("inf")
-    for cache_dtype in (torch.float16, torch.int8):
-        quant = cache_dtype == torch.int8
-        scales = (
-            (torch.full((hkv,), 0.02), torch.full((hkv,), 0.02))
-            if quant
-            else (None, None)
-        )
-        shape = nz_cache_shape(nb, bs, hkv, d, cache_dtype)
-        kc = torch.zeros(shape, dtype=cache_dtype)
-        vc = torch.zeros(shape, dtype=cache_dtype)
-        nbytes = 2 * t * hkv * d * kc.element_size()
-        same = torch.zeros(2, t, hkv, d, dtype=cache_dtype)
-        t_clone = time_fn(lambda same=same: same.clone(), repeats=repeats)
+    rows, results, goals = [], [], []
+    for label, dtype, layout, mla, is_goal in WRITES:
         for pattern in ("prefill", "scattered"):
-            slots = _slots(pattern, t, bs, nb, gen)
-
-            def write(kc=kc, vc=vc, slots=slots, scales=scales):
-                reshape_and_cache(
-                    key, value, kc, vc, slots, k_scale=scales[0], v_scale=scales[1]
+            slots = _slots(pattern, t, bs, nb, gen).to(dev)
+            write, nbytes = _writer(
+                args, dev, t, hkv, d, bs, nb, dtype, layout, mla, slots, gen
+            )
+            same = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+            try:
+                t_clone, t_write = time_pair(dev, same.clone, write, repeats=repeats)
+            except UnsupportedError as exc:
+                rows.append(
+                    [label, pattern, t, "-", "-", "-", "refused", str(exc)[:60]]
                 )
-
-            t_write = time_fn(write, repeats=repeats)
+                break
             ratio = t_clone / t_write
-            if pattern == "prefill":
-                worst = min(worst, ratio)
-            name = "int8 (quantize-on-write)" if quant else "float16"
+            if is_goal and pattern == "prefill":
+                goals.append((label, ratio))
             rows.append(
                 [
-                    name,
-                    pattern,
-                    t,
-                    round(nbytes / 2**20, 2),
-                    gbps(nbytes, t_clone),
-                    gbps(nbytes, t_write),
-                    f"{ratio:.2f}x",
+                    label, pattern, t, round(nbytes / 2**20, 2),
+                    gbps(nbytes, t_clone), gbps(nbytes, t_write), f"{ratio:.2f}x",
                     t_write * 1e3,
                 ]
-            )
+            )  # fmt: skip
             results.append(
                 {
-                    "cache": name,
+                    "cache": label,
                     "slots": pattern,
                     "tokens": t,
                     "bytes": nbytes,
@@ -156,26 +201,21 @@ def run(args: argparse.Namespace) -> int:
                     "vs_clone": ratio,
                 }
             )
-    print_table(
-        [
-            "cache",
-            "slots",
-            "T",
-            "MiB written",
-            "clone GB/s",
-            "write GB/s",
-            "vs clone",
-            "write ms",
-        ],
-        rows,
-        title=f"reshape_and_cache NZ, Hkv={hkv} D={d} BS={bs} "
-        f"(torch {torch.__version__}, {torch.get_num_threads()} threads)",
+    title = (
+        f"reshape_and_cache on {backend.name} ({dev}), T={t} Hkv={hkv} D={d} BS={bs},"
+        f" MLA R=512 Dr=64 (torch {torch.__version__}, {torch.get_num_threads()} "
+        "threads)"
     )
-    print(
-        f"goal: prefill writes >= {GOAL_WRITE}x of clone -> worst {worst:.2f}x "
-        f"({'PASS' if worst >= GOAL_WRITE else 'below goal'})"
-    )
+    headers = ["cache", "slots", "T", "MiB written", "clone GB/s", "write GB/s",
+               "vs clone", "write ms"]  # fmt: skip
+    print_table(headers, rows, title=title)
+    for label, ratio in goals:
+        verdict = "ok" if ratio >= GOAL_WRITE else "below goal"
+        print(f"goal {label} prefill >= {GOAL_WRITE}x clone: {verdict} ({ratio:.2f}x)")
     mem = _bytes_per_token(hkv, d, bs, args.context)
+    ratio8 = mem[1][3]
+    verdict = "ok" if ratio8 <= GOAL_BYTES else "above goal"
+    print(f"goal int8 K+V bytes/token <= {GOAL_BYTES}x bf16: {verdict} ({ratio8:.3f}x)")
     print()
     print_table(
         ["cache", "contents", "bytes/token/layer", "vs bf16", f"<= {GOAL_BYTES}"],
@@ -185,7 +225,9 @@ def run(args: argparse.Namespace) -> int:
     write_json(
         args.json,
         {
+            "backend": backend.name,
             "writes": results,
+            "goals": [{"cache": g, "vs_clone": r} for g, r in goals],
             "bytes_per_token": [
                 {"cache": r[0], "contents": r[1], "bytes": r[2], "ratio": r[3]}
                 for r in mem

@@ -95,6 +95,22 @@ def _source_config(model: str | Path | None) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _picture(report: dict[str, Any]) -> dict[str, bytes]:
+    """``{calibration_report.png: bytes}``, or nothing (with a warning) when
+    matplotlib cannot draw here."""
+    import logging
+
+    from .plots import REPORT_PNG, render_report_png
+
+    try:
+        return {REPORT_PNG: render_report_png(report)}
+    except ImportError as exc:
+        logging.getLogger(__name__).warning(
+            "no picture report: %s (pip install matplotlib)", exc
+        )
+        return {}
+
+
 def _check_positive(**values: int) -> None:
     for flag, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -118,6 +134,8 @@ def calibrate(
     seed: int = 0,
     heldout: int = 4,
     clip_search: bool = False,
+    picture_report: bool = True,
+    cache: bool = True,
     progress: bool = True,
     target: str | None = None,
     dtype: str | None = None,
@@ -196,7 +214,7 @@ def calibrate(
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    loaded = load_model(model, gguf_file)
+    loaded = load_model(model, gguf_file, cache=cache)
     net = loaded.model.to(device)
     seconds["load"] = time.perf_counter() - t0
     mla = net.config.model_type == "deepseek_v3"
@@ -301,6 +319,7 @@ def calibrate(
         },
     )
     fa_written = kv_scales is None
+    extra_files = _picture(report) if picture_report else {}
     if merge_into:
         dest = artifact.merge_into(
             merge_into,
@@ -308,6 +327,7 @@ def calibrate(
             fa_quant_type=fa_quant_type,
             output=output,
             report=report,
+            extra_files=extra_files,
             overwrite=overwrite,
             consumer=target,
             kv_scales=kv_scales,
@@ -336,6 +356,7 @@ def calibrate(
             source_dir=None if loaded.gguf_file else loaded.source_dir,
             tokenizer=loaded.tokenizer,
             report=report,
+            extra_files=extra_files,
             max_shard_size=max_shard_size,
             overwrite=overwrite,
         )

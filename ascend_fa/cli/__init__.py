@@ -129,7 +129,13 @@ def _sigterm_raises() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    run = getattr(args, "_run", None)
+    if extra and not getattr(
+        sys.modules.get(getattr(run, "__module__", "")), "TAKES_EXTRA_ARGS", False
+    ):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra
     verbose = bool(getattr(args, "verbose", False))
     quiet = bool(getattr(args, "quiet", False))
     logging.basicConfig(
@@ -166,7 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+#: top-level module -> the extra that provides it
+EXTRAS = {"transformers": "hf", "accelerate": "hf", "gguf": "hf", "tokenizers": "hf"}
+
+
 def _one_line(exc: BaseException) -> str:
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    root = (missing or "").split(".")[0]
+    if root in EXTRAS:
+        extra = EXTRAS[root]
+        return (
+            f"{root} is not installed; install the '{extra}' extra: "
+            f'pip install "ascend-fa[{extra}]" (from a checkout: '
+            f'pip install -e ".[{extra}]")'
+        )
     text = " ".join(str(exc).split())
     if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
         text = f"{exc.filename}: {text}"

@@ -1,7 +1,9 @@
-"""``ascend-fa bench NAME``: the benchmarks in :mod:`ascend_fa.benchmarks`.
+"""``ascend-fa bench NAME [options]``: the benchmarks in :mod:`ascend_fa.benchmarks`.
 
 Every benchmark measures its baseline in the same run and prints ratios, never
-absolute claims (see :func:`ascend_fa.benchmarks.benchmark_modules`).
+absolute claims. The list of benchmarks is read without importing them; a
+benchmark's own options (``ascend-fa bench NAME --help``) are parsed once it is
+chosen.
 """
 
 from __future__ import annotations
@@ -12,23 +14,104 @@ COMMAND = "bench"
 HELP = (
     "run a benchmark (prints a table with ratios against a baseline from the same run)"
 )
+#: The benchmark's own options are parsed by :func:`run` from the leftover argv.
+TAKES_EXTRA_ARGS = True
+
+__all__ = [
+    "COMMAND",
+    "HELP",
+    "TAKES_EXTRA_ARGS",
+    "add_arguments",
+    "bench_parser",
+    "run",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ascend_fa.benchmarks import benchmark_modules
+    from ascend_fa.benchmarks import benchmark_index
 
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for module in benchmark_modules():
-        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
-        p.add_argument(
-            "--quick",
-            action="store_true",
-            help="small sizes and few repeats (CI smoke run)",
+    for info in benchmark_index():
+        # add_help=False: "--help" after the name is the benchmark's, parsed in run.
+        sub.add_parser(info.name, help=info.help, add_help=False)
+    cmp = sub.add_parser(
+        "compare",
+        help="compare two --json result files side by side (change in percent; "
+        "slowdowns beyond the measured spread are flagged)",
+    )
+    cmp.add_argument("a", metavar="A.json")
+    cmp.add_argument("b", metavar="B.json")
+
+
+def bench_parser(module) -> argparse.ArgumentParser:
+    """The full option parser of one benchmark module: the common flags, then the
+    module's own."""
+    p = argparse.ArgumentParser(
+        prog=f"ascend-fa bench {module.NAME}", description=module.HELP
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes and few repeats (CI smoke run)",
+    )
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "npu"],
+        help="device to run on (default auto: the selected backend); timing uses "
+        "the device's own clock",
+    )
+    module.add_arguments(p)
+    return p
+
+
+def _compare(a: str, b: str) -> int:
+    from ascend_fa.benchmarks.results import compare_results, load_results
+    from ascend_fa.tables import print_table
+
+    doc_a, doc_b = load_results(a), load_results(b)
+    headers, rows, regressions = compare_results(doc_a, doc_b)
+    env_a, env_b = doc_a.get("environment", {}), doc_b.get("environment", {})
+    for label, env in (("A", env_a), ("B", env_b)):
+        print(
+            f"{label}: ascend-fa {env.get('ascend_fa')}, torch {env.get('torch')}, "
+            f"{env.get('device')}, git {env.get('git_revision')}"
         )
-        p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-        module.add_arguments(p)
-        p.set_defaults(_bench_run=module.run)
+    if not rows:
+        print("no matching records (same benchmark, backend, mode and parameters)")
+        return 1
+    print_table(headers, rows)
+    print(f"{len(rows)} matching records, {regressions} regression(s)")
+    return 0
+
+
+def _resolve_backend(module, requested: str) -> str:
+    """The backend name to run on: ``auto`` is the selected backend; a backend this
+    benchmark cannot use, or one that is unusable here, is an error (one line)."""
+    from ascend_fa.backends import get_backend
+    from ascend_fa.errors import UnsupportedError
+
+    name = get_backend(None if requested == "auto" else requested).name
+    supported = getattr(module, "BACKENDS", ("cpu",))
+    if name not in supported:
+        if requested == "auto" and "cpu" in supported:
+            return "cpu"
+        raise UnsupportedError(
+            f"bench {module.NAME} runs on {', '.join(supported)}, not {name}"
+        )
+    return name
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(args._bench_run(args) or 0)
+    from ascend_fa.benchmarks import load_benchmark
+
+    if args.bench == "compare":
+        return _compare(args.a, args.b)
+    module = load_benchmark(args.bench)
+    bench_args = bench_parser(module).parse_args(args.extra_args)
+    bench_args.backend = _resolve_backend(module, bench_args.backend)
+    for key in ("verbose", "quiet"):
+        if hasattr(args, key) and not hasattr(bench_args, key):
+            setattr(bench_args, key, getattr(args, key))
+    return int(module.run(bench_args) or 0)

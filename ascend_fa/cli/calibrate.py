@@ -108,6 +108,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by the attention-output error on retained calibration rows "
         "(GQA models; changes only the exported static scales)",
     )
+    parser.add_argument(
+        "--no-report",
+        action="store_true",
+        help="do not draw the picture report (calibration_report.png)",
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="load a GGUF model directly instead of through the model cache",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
         target=args.target,
         dtype=args.dtype,
         kv_strategy=args.kv_strategy,
+        picture_report=not args.no_report,
+        cache=not args.no_cache,
+        progress=not getattr(args, "quiet", False),
     )
     for line in result.summary_lines():
         print(line)

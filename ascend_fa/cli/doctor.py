@@ -20,13 +20,25 @@ def run(args: argparse.Namespace) -> int:
     from ascend_fa.doctor import collect
 
     info = collect()
+    status = 0 if info["main_job"]["can_run"] else 1
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0 if info["selected"] else 1
+        return status
     print(
         f"ascend-fa {info['ascend_fa']}  torch {info['torch']}  python {info['python']}"
     )
     print(f"platform  {info['platform']}")
+    print("packages:")
+    for name, p in info["packages"].items():
+        need = "required" if p["required"] else "optional"
+        ver = p["version"] or f"missing ({p['install']})"
+        print(f"  {name:<13} {ver}  [{need}]")
+    demo = info["demo_model"]
+    if demo["available"]:
+        cache = "on" if demo["cache_enabled"] else "off"
+        print(f"demo model: {demo['path']} (model cache {cache})")
+    else:
+        print(f"demo model: missing ({demo['reason']})")
     env = info["env"]
     for key, val in env.items():
         print(f"{key}={val if val is not None else '(unset)'}")
@@ -47,4 +59,10 @@ def run(args: argparse.Namespace) -> int:
         f"torch_npu installed: {cann['torch_npu_installed']}  "
         f"importable: {cann['torch_npu_importable']}"
     )
-    return 0 if info["selected"] else 1
+    job = info["main_job"]
+    if job["can_run"]:
+        print("main job (ascend-fa calibrate): ready")
+    else:
+        missing = "; ".join(job["missing"])
+        print(f"main job (ascend-fa calibrate): cannot run; missing {missing}")
+    return status

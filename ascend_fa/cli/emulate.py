@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chat",
         action="store_true",
         help="wrap --prompt in the tokenizer's chat template as a "
-        "user turn (for instruct models)",
+        "user turn and stop at its end-of-turn token (for instruct models)",
     )
     parser.add_argument(
         "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)"
@@ -108,12 +108,12 @@ def run(args: argparse.Namespace) -> int:
     chat = " (chat template)" if report.chat else ""
     print(f"prompt{chat} ({report.prompt_tokens} tokens): {report.prompt!r}")
     print(
-        f"perplexity: {report.eval_data}, {report.eval_windows} window(s), "
-        f"{report.eval_tokens} tokens"
+        f"teacher-forced on {report.eval_data}: {report.eval_windows} window(s), "
+        f"{report.eval_tokens} tokens (top-1 agreement and KL vs the plain model)"
     )
     head = (
-        f"{'mode':<20} {'scales':<9} {'greedy match':>14} {'prefix':>7} "
-        f"{'ppl':>9} {'dppl %':>8} {'time s':>7}"
+        f"{'mode':<20} {'scales':<9} {'top-1':>7} {'KL':>9} {'ppl':>9} "
+        f"{'dppl %':>8} {'greedy match':>14} {'prefix':>7} {'time s':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -122,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
         prefix = "" if r["prefix"] is None else str(r["prefix"])
         delta = 100.0 * (r["ppl"] / ppl_ref - 1.0)
         print(
-            f"{r['mode']:<20} {r['scales']:<9} {match:>14} {prefix:>7} "
-            f"{r['ppl']:>9.4f} {delta:>+8.3f} {r['seconds']:>7.1f}"
+            f"{r['mode']:<20} {r['scales']:<9} {r['top1']:>7.4f} {r['kl']:>9.5f} "
+            f"{r['ppl']:>9.4f} {delta:>+8.3f} {match:>14} {prefix:>7} "
+            f"{r['seconds']:>7.1f}"
         )
     for r in rows:
         print(f"\n[{r['mode']}] {r['text']!r}")

@@ -4,12 +4,18 @@ The model's attention goes through the paged cache (:mod:`ascend_fa.emulation`):
 ``reshape_and_cache`` + ``prefill_attention`` for the prompt, ``paged_attention``
 for every generated token. For each mode the command reports
 
+* **teacher-forced fidelity** over the held-out text in windows of ``--window``
+  tokens, each window one prefill through the paged cache: the per-token KL
+  divergence ``KL(float || mode)`` of the next-token distributions and the top-1
+  agreement with the plain float model on the same tokens — the figures that say
+  whether the int8 path is faithful;
+* **perplexity** over the same windows, and its change vs the plain model;
 * **greedy match**: the same prompt decoded greedily for ``--max-new-tokens``
-  tokens (EOS not special), compared position by position with the plain float
-  model's tokens: matching positions, and the common prefix (tokens before the
-  first divergence — after it the two continuations condition on different text);
-* **perplexity** over the held-out text in windows of ``--window`` tokens, each
-  window one prefill through the paged cache, and its change vs the plain model.
+  tokens, compared position by position with the plain float model's tokens:
+  matching positions, and the common prefix (tokens before the first divergence —
+  after it the two continuations condition on different text). With ``--chat`` the
+  prompt goes through the tokenizer's chat template and decoding stops at its
+  end-of-turn token (otherwise EOS is not special).
 
 ``float-paged`` (float cache) is always run: it must reproduce the plain model,
 which shows that the plumbing is exact before the int8 rows are read.
@@ -26,7 +32,7 @@ from typing import Any
 import torch
 
 from ascend_fa.errors import InputError, NotFoundError
-from ascend_fa.metrics import token_nll
+from ascend_fa.metrics import token_kl, token_nll
 
 from .runtime import enable_paged_int8_attention
 
@@ -34,7 +40,9 @@ __all__ = [
     "DEFAULT_PROMPT",
     "EmulateReport",
     "compare",
+    "fidelity",
     "greedy_plain",
+    "window_logits",
     "perplexity_plain",
     "run_emulate",
 ]
@@ -46,32 +54,76 @@ DEFAULT_PROMPT = (
 
 
 @torch.no_grad()
-def greedy_plain(model: Any, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+def greedy_plain(
+    model: Any,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
     """Greedy decoding with the unmodified model and its own KV cache: ``ids``
-    ``[B, S]`` -> ``[B, S + max_new_tokens]`` (EOS is not special, as in
-    :meth:`QuantizedKVRuntime.generate` without ``eos_token_id``)."""
+    ``[B, S]`` -> ``[B, S + N]``, ``N <= max_new_tokens`` (stops when every row has
+    produced ``eos_token_id``, finished rows repeat it — the rule of
+    :meth:`QuantizedKVRuntime.generate`)."""
     out = model(input_ids=ids, use_cache=True)
     cache, tokens = out.cache, [ids]
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for i in range(max_new_tokens):
-        nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)
-        tokens.append(nxt)
-        if i + 1 < max_new_tokens:
-            out = model(input_ids=nxt, cache=cache, use_cache=True)
-            cache = out.cache
+        nxt = out.logits[:, -1].argmax(dim=-1)
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        tokens.append(nxt[:, None])
+        if i + 1 == max_new_tokens or bool(done.all()):
+            break
+        out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
+        cache = out.cache
     return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def window_logits(model: Any, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The unmodified model's logits ``[1, S, V]`` (fp32, CPU) of each window."""
+    device = next(model.parameters()).device
+    return [
+        model(input_ids=w.view(1, -1).to(device)).logits.float().cpu() for w in windows
+    ]
 
 
 @torch.no_grad()
 def perplexity_plain(model: Any, windows: list[torch.Tensor]) -> float:
     """``exp(mean next-token NLL)`` of the unmodified model over ``windows``."""
-    device = next(model.parameters()).device
     total, count = 0.0, 0
-    for w in windows:
-        ids = w.view(1, -1).to(device)
-        n, c = token_nll(model(input_ids=ids).logits, ids)
+    for w, logits in zip(windows, window_logits(model, windows), strict=True):
+        n, c = token_nll(logits, w.view(1, -1))
         total += n
         count += c
     return math.exp(total / count)
+
+
+def fidelity(
+    logits: list[torch.Tensor],
+    ref_logits: list[torch.Tensor],
+    windows: list[torch.Tensor],
+) -> dict[str, float]:
+    """Teacher-forced figures of ``logits`` against the float model's
+    ``ref_logits`` on the same ``windows``: ``ppl``, mean per-token ``kl``
+    (KL(float || quantized)) and ``top1`` agreement."""
+    nll = kl = 0.0
+    agree = count = positions = 0
+    for w, lg, ref in zip(windows, logits, ref_logits, strict=True):
+        n, c = token_nll(lg, w.view(1, -1))
+        nll += n
+        count += c
+        k, a, p = token_kl(ref, lg)
+        kl += k
+        agree += a
+        positions += p
+    return {
+        "ppl": math.exp(nll / count),
+        "kl": kl / positions,
+        "top1": agree / positions,
+    }
 
 
 def compare(reference: torch.Tensor, tokens: torch.Tensor, start: int) -> dict:
@@ -82,6 +134,17 @@ def compare(reference: torch.Tensor, tokens: torch.Tensor, start: int) -> dict:
     same = (a[:n] == b[:n]).tolist()
     prefix = same.index(False) if False in same else n
     return {"matched": int(sum(same)), "prefix": prefix, "n": n}
+
+
+def _end_of_turn(tokenizer: Any) -> int | None:
+    """The token that ends the assistant's turn in the chat template: the template's
+    own end-of-turn marker when the tokenizer knows one (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``), else EOS."""
+    vocab = tokenizer.get_vocab()
+    for marker in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if marker in vocab:
+            return int(vocab[marker])
+    return tokenizer.eos_token_id
 
 
 @dataclass
@@ -170,17 +233,18 @@ def run_emulate(
         eval_tokens=sum(w.numel() for w in windows),
         artifact=None if artifact is None else str(artifact),
     )
+    eos = _end_of_turn(tok) if chat else None
     t0 = time.perf_counter()
-    ref = greedy_plain(net, ids, max_new_tokens)[0]
-    ppl_ref = perplexity_plain(net, windows)
+    ref = greedy_plain(net, ids, max_new_tokens, eos_token_id=eos)[0]
+    ref_logits = window_logits(net, windows)
     report.rows.append(
         {
             "mode": "float (plain model)",
             "scales": "-",
             "matched": None,
             "prefix": None,
-            "n": max_new_tokens,
-            "ppl": ppl_ref,
+            "n": int(ref.numel() - start),
+            **fidelity(ref_logits, ref_logits, windows),
             "seconds": time.perf_counter() - t0,
             "text": tok.decode(ref[start:]),
         }
@@ -196,14 +260,17 @@ def run_emulate(
             block_size=block_size,
             backend=backend,
         ) as rt:
-            gen = rt.generate(ids, max_new_tokens)[0]
-            ppl = rt.perplexity(windows)
+            gen = rt.generate(ids, max_new_tokens, eos_token_id=eos)[0]
+            logits = []
+            for w in windows:
+                logits.append(rt.forward(w, new_sequence=True).float().cpu())
+            rt.reset()
         report.rows.append(
             {
                 "mode": "float-paged" if mode == "float" else mode,
                 "scales": "-" if mode == "float" else source,
                 **compare(ref, gen, start),
-                "ppl": ppl,
+                **fidelity(logits, ref_logits, windows),
                 "seconds": time.perf_counter() - t0,
                 "text": tok.decode(gen[start:]),
             }

@@ -1,0 +1,93 @@
+"""The benchmark result schema: timing, verdicts, strict JSON, comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ascend_fa.benchmarks.results import (
+    SCHEMA,
+    Record,
+    Timing,
+    compare_results,
+    load_results,
+    time_on,
+    verdict,
+    write_results,
+)
+from ascend_fa.cli import main
+from ascend_fa.errors import FileFormatError
+
+
+def test_timing_median_and_spread():
+    t = Timing((0.2, 0.1, 0.3))
+    assert t.median_s == 0.2 and math.isclose(t.spread, 1.0)
+    assert Timing((0.5,)).spread == 0.0
+    calls = []
+    got = time_on(lambda: calls.append(1), "cpu", repeats=4, warmup=2)
+    assert len(calls) == 6 and len(got.samples) == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "goal", "want"),
+    [(0.6, ">= 0.5", "ok"), (0.4, ">= 0.5", "miss"), (1.2, "<= 1.25", "ok"),
+     (1.3, "<= 1.25", "miss"), (None, None, None), (float("nan"), ">= 1", "miss")],
+)  # fmt: skip
+def test_verdict(value, goal, want):
+    assert verdict(value, goal) == want
+
+
+def _doc(tmp_path, name, times, spread=0.01):
+    recs = [
+        Record("kvcache", "cpu", mode, {"T": 4096}, t, spread, 5, 0.5, "clone")
+        for mode, t in times.items()
+    ]
+    path = tmp_path / name
+    write_results(path, recs, backend="cpu", extra={"nan": float("nan")})
+    return path
+
+
+def test_strict_json_with_environment(tmp_path):
+    path = _doc(tmp_path, "a.json", {"int8": 0.01})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    doc = json.loads(text)
+    assert doc["schema"] == SCHEMA and doc["extra"]["nan"] is None
+    env = doc["environment"]
+    assert {"ascend_fa", "torch", "python", "cpu", "cpu_count", "device"} <= set(env)
+    assert doc["records"][0]["benchmark"] == "kvcache"
+    assert load_results(path)["records"] == doc["records"]
+
+
+def test_compare_flags_regressions_beyond_spread(tmp_path, capsys):
+    a = _doc(tmp_path, "a.json", {"int8": 0.010, "fp16": 0.020, "bf16": 0.03})
+    b = _doc(tmp_path, "b.json", {"int8": 0.01005, "fp16": 0.030, "bf16": 0.02})
+    headers, rows, regressions = compare_results(load_results(a), load_results(b))
+    flags = {r[2]: r[-1] for r in rows}
+    assert flags == {"int8": "", "fp16": "REGRESSION", "bf16": "faster"}
+    assert regressions == 1 and "change" in headers
+    assert main(["bench", "compare", str(a), str(a)]) == 0
+    out = capsys.readouterr().out
+    assert "3 matching records, 0 regression(s)" in out and "+0.0%" in out
+
+
+def test_compare_refuses_other_files(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(FileFormatError, match="x.json"):
+        load_results(bad)
+    assert main(["bench", "compare", str(bad), str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a benchmark result file" in err
+
+
+def test_unusable_backend_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["bench", "layout", "--backend", "cuda", "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cuda" in err

@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ._util import print_table, write_json
 
 NAME = "targets"
@@ -50,6 +48,8 @@ def _compose(*wraps: Any) -> Any:
 
 
 def _model(quick: bool) -> tuple[Any, Any, str]:
+    import torch
+
     if quick:
         import transformers
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -96,8 +96,16 @@ def _maker(spec: Any) -> Any:
     return make
 
 
-@torch.no_grad()
-def _evaluate(model: Any, windows: list[torch.Tensor], specs: dict[str, Any]) -> Any:
+def _evaluate(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any:
+    """Float vs each spec on ``windows`` (token ids ``[S]``): perplexity, KL and
+    top-1 sums, one window at a time, without gradients."""
+    import torch
+
+    with torch.no_grad():
+        return _evaluate_sums(model, windows, specs)
+
+
+def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any:
     from ascend_fa.adapters.hf import swapped_points
     from ascend_fa.calibration.pipeline import injected_points
     from ascend_fa.metrics import token_kl, token_nll
@@ -138,6 +146,8 @@ def _evaluate(model: Any, windows: list[torch.Tensor], specs: dict[str, Any]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from ascend_fa import artifact
     from ascend_fa.calibration.data import load_calib_texts, split_calibration
     from ascend_fa.calibration.job import default_recipe_path

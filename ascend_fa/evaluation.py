@@ -25,7 +25,13 @@ a ``ScaleMap``         static per-head scales ``{attn: {fa_x: (scale [H], offset
                        better, so it is the accuracy upper bound
 ``"float"``            nothing (a control: must give cosine 1 and equal
                        perplexities)
+a ``KVQuantSpec``      a C8 (per-channel int8) or FP8 KV cache: Q float, K and V
+                       through the cache round trip the target deploys
+                       (:mod:`ascend_fa.calibration.kv`)
 =====================  ==========================================================
+
+:func:`read_artifact_spec` reads whichever of these an artifact deploys (FA scales,
+C8 ``kv_cache_scale`` or vLLM ``k_scale``/``v_scale``).
 
 :func:`~ascend_fa.calibration.methods.calibrate_methods` calibrates several methods
 in one pass for the comparison; :func:`run_eval` is the ``ascend-fa eval`` verb.
@@ -64,6 +70,7 @@ __all__ = [
     "per_tensor_scales",
     "check_scales",
     "read_artifact_scales",
+    "read_artifact_spec",
     "evaluate",
     "EvalReport",
     "run_eval",
@@ -260,6 +267,40 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
     return scales
 
 
+def read_artifact_spec(directory: str | Path) -> Any:
+    """What an artifact deploys: its FA scales (a ``ScaleMap``), or a
+    :class:`~ascend_fa.calibration.kv.KVQuantSpec` for C8 / FP8 KV-cache scales
+    (C8 scales rounded to the artifact's ``torch_dtype``, as the device holds
+    them)."""
+    import json
+
+    from ascend_fa.artifact.reader import read_fa_scales, read_kv_scales
+    from ascend_fa.artifact.targets import resolve_dtype
+    from ascend_fa.calibration.kv import KVQuantSpec
+
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"artifact not found: {path}")
+    scales = read_fa_scales(path)
+    if scales:
+        return scales
+    kv = read_kv_scales(path)
+    if kv is None:
+        raise ValueError(
+            f"artifact {path} has no FA or KV-cache scales (no <attn>.fa_{{q,k,v}}"
+            ".scale, <attn>.{k,v}_proj.kv_cache_scale or <attn>.{k,v}_scale)"
+        )
+    kind, kv_scales = kv
+    dtype = None
+    cfg_path = path / "config.json"
+    if kind == "c8" and cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        name = cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+        if name in ("float16", "bfloat16"):
+            dtype = resolve_dtype(name)
+    return KVQuantSpec(kind, kv_scales, dtype)
+
+
 def _point_for(spec: QuantSpec | None, name: str) -> Any:
     """``make(attn, branch, point)`` for :func:`swapped_points`: a float placeholder
     (``None`` / ``"float"``), dynamic or static fake-quant at every FA point."""
@@ -269,6 +310,8 @@ def _point_for(spec: QuantSpec | None, name: str) -> Any:
         heads, dim = _heads(point)
         if spec == "dynamic":
             return DynamicFakeQuant(branch, heads, dim)
+        if callable(getattr(spec, "point", None)):
+            return spec.point(attn, branch, point)
         if isinstance(spec, Mapping) and attn in spec:
             scale, offset = spec[attn][branch]
             return FA3FakeQuant(branch, scale.reshape(-1), offset.reshape(-1), dim)
@@ -306,7 +349,9 @@ def evaluate(
     device = next(model.parameters()).device
     with injected_points(model) as (_adapter, mods):
         for spec in specs.values():
-            if not isinstance(spec, str):
+            if callable(getattr(spec, "check", None)):
+                spec.check(mods)
+            elif not isinstance(spec, str):
                 check_scales(mods, spec)
         names = list(mods)
         errs = {k: {n: OutputError() for n in names} for k in specs}
@@ -482,7 +527,7 @@ def run_eval(
     ):
         if value <= 0:
             raise InputError(f"--{flag.replace('_', '-')} must be > 0")
-    artifact_scales = read_artifact_scales(artifact) if artifact is not None else None
+    artifact_scales = read_artifact_spec(artifact) if artifact is not None else None
     sources: dict[str, str | Path | None] = (
         {Path(p).stem: Path(p) for p in data} if data else dict.fromkeys(EVAL_SETS)
     )

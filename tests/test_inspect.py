@@ -172,6 +172,12 @@ def test_missing_offset_and_quant_type(tmp_path):
 
 def test_fa_quant_type_consistency(tmp_path):
     path = artifact(tmp_path)
+    # an older export whose config.json still carries the FA entries
+    edit_json(
+        path,
+        "config.json",
+        lambda d: d.update(quantization_config={"fa_quant_type": "FAQuant"}),
+    )
     edit_json(path, DESCRIPTION_FILE, lambda d: d.update(fa_quant_type="FAKQuant"))
     text = findings(path)
     assert "FAKQuant expects one latent head for fa_k/fa_v, found 2" in text

@@ -7,8 +7,13 @@ other modules only apply it.
 
 from __future__ import annotations
 
+from .consumers import ArtifactView, recorded_target, target_findings
 from .format import (
+    ARTIFACT_DTYPES,
+    ASCEND_TARGETS,
+    C8_TENSOR,
     CONFIG_FILE,
+    DEFAULT_TARGET,
     DESCRIPTION_FILE,
     DESCRIPTION_VERSION,
     FA_BRANCHES,
@@ -16,32 +21,75 @@ from .format import (
     FA_QUANT_TYPES,
     FA_TENSOR,
     FA_WEIGHTS_NAME,
+    KV_STRATEGIES,
     LEGACY_WEIGHTS_NAME,
+    LINEAR_QUANT_TYPES,
     META_KEYS,
     REPORT_FILE,
+    TARGETS,
     TOKENIZER_FILES,
+    VLLM_KV_TENSOR,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
     ScaleMap,
+    c8_tensor_name,
     disk_scale,
     fa_tensor_name,
     is_meta_key,
     per_head_vector,
+    vllm_kv_name,
 )
-from .inspect import inspect_artifact, natural_key
-from .reader import read_fa_scales, read_tensor_index, weight_files
+from .inspect import inspect_artifact, natural_key, scale_findings
+from .merge import check_merge_export
+from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
+from .targets import (
+    KVScaleMap,
+    check_target,
+    resolve_dtype,
+    resolve_target,
+    target_config,
+    target_description,
+)
 from .writer import (
+    CheckpointTensors,
     atomic_output_dir,
     build_description,
     checkpoint_state_dict,
+    checkpoint_tensors,
     export_artifact,
     fa_tensors,
+    linear_quant_type,
     merge_into,
     parse_size,
     write_json,
 )
 
 __all__ = [
+    "ARTIFACT_DTYPES",
+    "ASCEND_TARGETS",
+    "ArtifactView",
+    "C8_TENSOR",
+    "CheckpointTensors",
+    "DEFAULT_TARGET",
+    "KVScaleMap",
+    "KV_STRATEGIES",
+    "LINEAR_QUANT_TYPES",
+    "TARGETS",
+    "VLLM_KV_TENSOR",
+    "c8_tensor_name",
+    "check_merge_export",
+    "check_target",
+    "checkpoint_tensors",
+    "linear_quant_type",
+    "read_kv_scales",
+    "recorded_target",
+    "resolve_dtype",
+    "resolve_target",
+    "scale_findings",
+    "target_config",
+    "target_description",
+    "target_findings",
+    "vllm_kv_name",
     "CONFIG_FILE",
     "DESCRIPTION_FILE",
     "DESCRIPTION_VERSION",

@@ -37,6 +37,19 @@ from typing import Any
 import torch
 
 __all__ = [
+    "TARGETS",
+    "DEFAULT_TARGET",
+    "ASCEND_TARGETS",
+    "ARTIFACT_DTYPES",
+    "KV_STRATEGIES",
+    "KV_SIDES",
+    "C8_TENSOR",
+    "VLLM_KV_TENSOR",
+    "LINEAR_QUANT_TYPES",
+    "TARGET_METADATA_KEY",
+    "c8_tensor_name",
+    "vllm_kv_name",
+    "dtype_name",
     "FA_BRANCHES",
     "FA_KINDS",
     "FA_QUANT_TYPES",
@@ -108,6 +121,61 @@ META_KEYS = frozenset(
         "quant_method",
     }
 )
+
+#: Consumers an artifact can be written for (``calibrate --target``).
+TARGETS = ("mindie", "vllm-ascend", "vllm")
+DEFAULT_TARGET = "mindie"
+#: Targets that read the msModelSlim layout (description + Ascend tensor names).
+ASCEND_TARGETS = ("mindie", "vllm-ascend")
+#: ``--dtype`` -> the floating dtype of the weights (config.json ``torch_dtype``).
+#: MindIE accepts only these two (Ascend/MindIE-LLM
+#: examples/atb_models/atb_llm/runner/model_runner.py @8b4871ad: "`torch_dtype` is
+#: only supported for type `float16` and `bfloat16`").
+ARTIFACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: Quantized-linear types the description may carry (msModelSlim's names).
+LINEAR_QUANT_TYPES = ("W8A8", "W8A8_DYNAMIC")
+#: compressed-tensors ``kv_cache_scheme.strategy`` values vLLM accepts
+#: (vllm-project/vllm vllm/model_executor/layers/quantization/compressed_tensors/
+#: compressed_tensors.py, ``CompressedTensorsKVCacheMethod.validate_kv_cache_scheme``:
+#: ``supported_strategies = ("tensor", "attn_head")``).
+KV_STRATEGIES = ("tensor", "attn_head")
+#: The two cache sides of a KV scale map.
+KV_SIDES = ("k", "v")
+#: Key of the description's ``metadata`` dict that records the target written.
+TARGET_METADATA_KEY = "ascend_fa_target"
+
+#: ``<attn>.{k,v}_proj.kv_cache_{scale,offset}``: C8 tensors (msmodelslim 26.1.0
+#: core/quant_service/modelslim_v1/save/ascendv1.py ``on_dynamic_cache``;
+#: vllm-ascend vllm_ascend/quantization/modelslim_config.py @182b75ea
+#: ``get_cache_scale_mapper`` maps them to ``<attn>.attn.{k,v}_cache_{scale,offset}``).
+C8_TENSOR = re.compile(
+    r"^(?P<attn>.+)\.(?P<side>[kv])_proj\.kv_cache_(?P<kind>scale|offset)$"
+)
+#: ``<attn>.{q,k,v}_scale``: vLLM KV-cache scales (vllm-project/vllm
+#: model_loader/weight_utils.py ``maybe_remap_kv_scale_name``: ``.k_scale`` ->
+#: ``.attn.k_scale``).
+VLLM_KV_TENSOR = re.compile(r"^(?P<attn>.+)\.(?P<side>[qkv])_scale$")
+
+
+def c8_tensor_name(attn: str, side: str, kind: str) -> str:
+    """``<attn>.k_proj.kv_cache_scale`` and friends (``side`` k/v, ``kind``
+    scale/offset)."""
+    if side not in KV_SIDES or kind not in FA_KINDS:
+        raise ValueError(f"c8_tensor_name: no C8 tensor {side}.{kind}")
+    return f"{attn}.{side}_proj.kv_cache_{kind}"
+
+
+def vllm_kv_name(attn: str, side: str) -> str:
+    """``<attn>.k_scale`` / ``<attn>.v_scale`` / ``<attn>.q_scale``."""
+    if side not in ("q", *KV_SIDES):
+        raise ValueError(f"vllm_kv_name: no vLLM scale {side!r}")
+    return f"{attn}.{side}_scale"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (config.json's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
 
 #: ``<attn>.<branch>.<kind>``: the name of an FA tensor.
 FA_TENSOR = re.compile(r"^(?P<attn>.+)\.(?P<branch>fa_[qkv])\.(?P<kind>scale|offset)$")

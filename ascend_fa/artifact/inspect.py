@@ -17,35 +17,111 @@ Checks, each failure one finding:
   ``FAQuant`` and ``<attn>.quant_type`` = ``INT8``;
 * ``fa_quant_type`` is ``FAQuant``/``FAKQuant``, present exactly when FA tensors
   are, ``FAKQuant`` has one latent head for K and V, and ``config.json``'s
-  ``quantization_config.fa_quant_type`` (when present) agrees.
+  ``quantization_config.fa_quant_type`` (when present) agrees;
+* every scale tensor (FA, C8 ``kv_cache_scale``, vLLM ``k_scale``/``v_scale``) is
+  finite, > 0, not subnormal in the model dtype (``config.json`` ``torch_dtype``:
+  a subnormal scale loses precision or flushes to zero on the device), and not all
+  exactly 1.0 (a placeholder, never a calibrated scale);
+* index entries are plain file names inside the artifact (nothing outside it is
+  read);
+* with a target (``target=`` or the one recorded in the artifact), that
+  consumer's rules (:mod:`.consumers`).
 
-The result says ``valid`` and lists the findings; the CLI exits 1 when invalid.
+The result says ``valid`` and lists the findings (strict-JSON values: no NaN); the
+CLI exits 1 when invalid.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .consumers import header_view, recorded_target, target_findings
 from .format import (
+    C8_TENSOR,
     DESCRIPTION_FILE,
     FA_BRANCHES,
     FA_QUANT_TYPES,
     FA_TENSOR,
+    TARGETS,
+    VLLM_KV_TENSOR,
     is_meta_key,
 )
 from .reader import read_tensor_index, weight_files
 
-__all__ = ["inspect_artifact", "natural_key"]
+__all__ = ["inspect_artifact", "natural_key", "scale_findings"]
+
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+
+
+def scale_findings(
+    name: str, scale: torch.Tensor, model_dtype: torch.dtype = torch.float32
+) -> list[str]:
+    """What is wrong with a scale tensor's values (empty when nothing): not
+    floating, not finite, <= 0, subnormal in ``model_dtype``, all exactly 1.0."""
+    if not scale.is_floating_point():
+        return [f"{name}: dtype {scale.dtype}, expected floating (float32)"]
+    s = scale.float()
+    if s.numel() == 0:
+        return [f"{name}: empty"]
+    if not bool(torch.isfinite(s).all()):
+        return [f"{name}: non-finite values"]
+    if not bool((s > 0).all()):
+        return [f"{name}: values <= 0 (min {float(s.min()):g})"]
+    out = []
+    tiny = torch.finfo(model_dtype).tiny
+    if float(s.min()) < tiny:
+        out.append(
+            f"{name}: subnormal in {str(model_dtype).removeprefix('torch.')} (min "
+            f"{float(s.min()):g} < {tiny:g}); the device flushes or mangles it"
+        )
+    if bool((s == 1.0).all()):
+        out.append(f"{name}: all exactly 1.0 (a placeholder, not a calibrated scale)")
+    return out
+
+
+def _outside_entries(directory: Path) -> list[str]:
+    """Index ``weight_map`` entries that are not plain names of files inside
+    ``directory`` (absolute, ``..``, separators, or a symlink leaving it)."""
+    out = []
+    root = directory.resolve()
+    for index in sorted(directory.glob("*.index.json")):
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        wm = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(wm, dict):
+            out.append(f"{index.name}: weight_map is not a JSON object")
+            continue
+        for tensor, fname in wm.items():
+            if not isinstance(fname, str):
+                out.append(f"{index.name}: {tensor} maps to a non-string {fname!r}")
+                continue
+            plain = fname not in ("", ".", "..") and "/" not in fname
+            plain = plain and "\\" not in fname
+            if not plain or (directory / fname).resolve().parent != root:
+                out.append(
+                    f"{index.name}: {tensor} -> {fname!r} points outside the "
+                    "artifact (only plain file names inside it are read)"
+                )
+    return out
 
 
 def _check_fa(
-    attn: str, parts: dict[str, Any], desc: dict[str, Any], findings: list[str]
+    attn: str,
+    parts: dict[str, Any],
+    desc: dict[str, Any],
+    findings: list[str],
+    model_dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
     heads: dict[str, int] = {}
     row: dict[str, Any] = {"module": attn}
@@ -71,10 +147,7 @@ def _check_fa(
             )
             continue
         s = scale.float()
-        if not bool(torch.isfinite(s).all()):
-            findings.append(f"{where}.scale: non-finite values")
-        elif not bool((s > 0).all()):
-            findings.append(f"{where}.scale: values <= 0 (min {float(s.min()):g})")
+        findings.extend(scale_findings(f"{where}.scale", scale, model_dtype))
         if tuple(offset.shape) != tuple(scale.shape):
             findings.append(
                 f"{where}.offset: shape {tuple(offset.shape)} != scale "
@@ -100,8 +173,8 @@ def _check_fa(
             "heads": int(scale.shape[0]),
             "shape": list(scale.shape),
             "dtype": str(scale.dtype).removeprefix("torch."),
-            "min": float(finite.min()) if finite.numel() else math.nan,
-            "max": float(finite.max()) if finite.numel() else math.nan,
+            "min": float(finite.min()) if finite.numel() else None,
+            "max": float(finite.max()) if finite.numel() else None,
         }
     if "fa_k" in heads and "fa_v" in heads and heads["fa_k"] != heads["fa_v"]:
         findings.append(
@@ -121,16 +194,39 @@ def _check_fa(
     return row
 
 
-def inspect_artifact(directory: str | Path) -> dict[str, Any]:
-    """Validate ``directory``; returns ``{"valid", "findings", "summary",
-    "layers"}`` (``layers``: per FA module the heads and scale range per branch)."""
+def _read_json(path: Path, findings: list[str]) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        findings.append(f"{path.name}: invalid JSON ({exc})")
+    return None
+
+
+def inspect_artifact(
+    directory: str | Path, target: str | None = None
+) -> dict[str, Any]:
+    """Validate ``directory``; returns ``{"valid", "target", "findings", "summary",
+    "layers"}`` (``layers``: per FA module the heads and scale range per branch).
+
+    ``target`` (one of :data:`~.format.TARGETS`) applies that consumer's rules;
+    None applies the target the artifact records (:func:`.consumers.
+    recorded_target`), or only the generic checks when it records none.
+    """
     from safetensors import safe_open
 
+    from ascend_fa.errors import InputError
+
+    if target is not None and target not in TARGETS:
+        raise InputError(
+            f"--target {target!r} is not a known target; choose one of "
+            f"{', '.join(TARGETS)}"
+        )
     directory = Path(directory)
     findings: list[str] = []
     result: dict[str, Any] = {
         "dir": str(directory),
         "valid": False,
+        "target": target,
         "findings": findings,
         "summary": {},
         "layers": [],
@@ -139,30 +235,33 @@ def inspect_artifact(directory: str | Path) -> dict[str, Any]:
         findings.append(f"{directory}: not a directory")
         return result
     desc: dict[str, Any] = {}
+    has_desc = False
     desc_path = directory / DESCRIPTION_FILE
-    if not desc_path.is_file():
-        findings.append(f"{DESCRIPTION_FILE}: missing")
-    else:
-        try:
-            loaded = json.loads(desc_path.read_text(encoding="utf-8"))
-            if isinstance(loaded, dict):
-                desc = loaded
-            else:
-                findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            findings.append(f"{DESCRIPTION_FILE}: invalid JSON ({exc})")
+    if desc_path.is_file():
+        loaded = _read_json(desc_path, findings)
+        if isinstance(loaded, dict):
+            desc, has_desc = loaded, True
+        elif loaded is not None:
+            findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
     config: dict[str, Any] | None = None
     if (directory / "config.json").is_file():
-        try:
-            config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            findings.append(f"config.json: invalid JSON ({exc})")
+        loaded = _read_json(directory / "config.json", findings)
+        if isinstance(loaded, dict):
+            config = loaded
+        elif loaded is not None:
+            findings.append("config.json: not a JSON object")
+    if target is None:
+        target = recorded_target(desc, config)
+        result["target"] = target
+    if not has_desc and target != "vllm" and desc_path.is_file() is False:
+        findings.append(f"{DESCRIPTION_FILE}: missing")
     for index in directory.glob("*.index.json"):
-        try:
-            json.loads(index.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            findings.append(f"{index.name}: invalid JSON ({exc})")
+        if _read_json(index, findings) is None:
             return result
+    outside = _outside_entries(directory)
+    if outside:
+        findings.extend(outside)
+        return result
     try:
         where = read_tensor_index(directory)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is a finding
@@ -178,19 +277,34 @@ def inspect_artifact(directory: str | Path) -> dict[str, Any]:
     for name in sorted(set(where) - tensor_entries) if desc else []:
         findings.append(f"{name}: tensor has no description entry")
 
+    model_dtype = _DTYPES.get(str((config or {}).get("torch_dtype")), torch.float32)
     fa_parts: dict[str, dict[tuple[str, str], Any]] = {}
     handles: dict[Path, Any] = {}
-    for name, path in where.items():
-        m = FA_TENSOR.match(name)
-        if not m:
-            continue
+
+    def tensor(name: str) -> torch.Tensor:
+        path = where[name]
         if path not in handles:
             handles[path] = safe_open(str(path), framework="pt")
-        fa_parts.setdefault(m["attn"], {})[(m["branch"], m["kind"])] = handles[
-            path
-        ].get_tensor(name)
+        return handles[path].get_tensor(name)
+
+    for name in where:
+        m = FA_TENSOR.match(name)
+        if m:
+            fa_parts.setdefault(m["attn"], {})[(m["branch"], m["kind"])] = tensor(name)
+            continue
+        c8 = C8_TENSOR.match(name)
+        vk = VLLM_KV_TENSOR.match(name)
+        if c8 and c8["kind"] == "scale" or vk:
+            findings.extend(scale_findings(name, tensor(name), model_dtype))
+        elif c8:
+            off = tensor(name)
+            if bool((off != 0).any()):
+                findings.append(
+                    f"{name}: nonzero offsets (C8 is symmetric: the decode path "
+                    "applies the scale only)"
+                )
     layers = [
-        _check_fa(attn, fa_parts[attn], desc, findings)
+        _check_fa(attn, fa_parts[attn], desc, findings, model_dtype)
         for attn in sorted(fa_parts, key=natural_key)
     ]
     fa_type = desc.get("fa_quant_type")
@@ -217,10 +331,15 @@ def inspect_artifact(directory: str | Path) -> dict[str, Any]:
                 f"config.json: quantization_config.fa_quant_type "
                 f"{cfg_type!r} != description {fa_type!r}"
             )
+    if target is not None and where:
+        view = header_view(where, config, desc if has_desc else None)
+        findings.extend(target_findings(target, view))
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
+        "target": target,
         "model_quant_type": desc.get("model_quant_type"),
         "fa_quant_type": fa_type,
+        "kv_cache_type": desc.get("kv_cache_type"),
         "version": desc.get("version"),
         "weight_files": [p.name for p in files],
         "weight_bytes": total,

@@ -30,6 +30,7 @@ from ascend_fa.safe_files import (
 from ascend_fa.safe_paths import resolve_inside
 
 from .format import (
+    C8_TENSOR,
     CONFIG_FILE,
     DESCRIPTION_FILE,
     FA_BRANCHES,
@@ -37,6 +38,7 @@ from .format import (
     FA_WEIGHTS_NAME,
     LEGACY_WEIGHTS_NAME,
     META_KEYS,
+    VLLM_KV_TENSOR,
     ScaleMap,
     per_head_vector,
 )
@@ -61,6 +63,7 @@ __all__ = [
     "read_description",
     "read_artifact_config",
     "check_merge_target",
+    "read_kv_scales",
 ]
 
 
@@ -253,3 +256,50 @@ def check_merge_target(directory: str | Path) -> dict[str, Path]:
             path=directory,
         )
     return existing
+
+
+def read_kv_scales(
+    directory: str | Path,
+) -> tuple[str, dict[str, dict[str, torch.Tensor]]] | None:
+    """The KV-cache scales of a C8 or vLLM artifact, or None when it has neither.
+
+    Returns ``("c8", {attn: {"k": [Hkv*D], "v": [Hkv*D]}})`` for
+    ``<attn>.{k,v}_proj.kv_cache_scale`` or ``("fp8", {attn: {"k": [n], "v": [n]}})``
+    for vLLM's ``<attn>.{k,v}_scale`` (``n`` = 1 or Hkv), all fp32 and flattened.
+    """
+    where = read_tensor_index(directory)
+    found: dict[str, dict[str, dict[str, Path]]] = {"c8": {}, "fp8": {}}
+    for name, path in where.items():
+        c8 = C8_TENSOR.match(name)
+        if c8 and c8["kind"] == "scale":
+            found["c8"].setdefault(c8["attn"], {})[c8["side"]] = path
+            continue
+        vk = VLLM_KV_TENSOR.match(name)
+        if vk and vk["side"] in ("k", "v"):
+            found["fp8"].setdefault(vk["attn"], {})[vk["side"]] = path
+    if found["c8"] and found["fp8"]:
+        raise ValueError(f"{directory}: both C8 and vLLM KV scales; which is deployed?")
+    kind = "c8" if found["c8"] else "fp8"
+    if not found[kind]:
+        return None
+    names = {
+        "c8": lambda a, s: f"{a}.{s}_proj.kv_cache_scale",
+        "fp8": lambda a, s: f"{a}.{s}_scale",
+    }[kind]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        for attn in sorted(found[kind]):
+            sides = found[kind][attn]
+            if set(sides) != {"k", "v"}:
+                raise ValueError(f"{attn}: both K and V KV-cache scales are required")
+            entry = {}
+            for side, path in sides.items():
+                if path not in handles:
+                    handles[path] = stack.enter_context(
+                        safe_open(str(path), framework="pt")
+                    )
+                t = handles[path].get_tensor(names(attn, side))
+                entry[side] = t.to(torch.float32).reshape(-1).contiguous()
+            out[attn] = entry
+    return kind, out

@@ -1,15 +1,20 @@
-"""Write FA artifacts atomically, and merge FA scales into an msModelSlim export.
+"""Write artifacts atomically for a target, and merge into an msModelSlim export.
 
-The layout and every name come from :mod:`.format`. Tied weights: a tensor that the
-model ties to another (``lm_head.weight`` -> ``model.embed_tokens.weight`` when
-``tie_word_embeddings``) is not written, exactly as ``save_pretrained`` does; loaders
-re-tie it from ``config.json``. Any other tensor sharing storage is written as its
-own copy (safetensors refuses aliases).
+The layout and every name come from :mod:`.format`, what each consumer loads from
+:mod:`.targets`. Checkpoint tensors (:func:`checkpoint_tensors`): the model's
+tensors under the names its checkpoint uses (transformers' own
+``revert_weight_conversion``, so fused in-memory MoE experts are written as
+``mlp.experts.{e}.{gate,up,down}_proj.weight``); a quantized linear (a module with
+``export_tensors``, see the ``QuantizedLinear`` protocol) contributes exactly the
+tensors it exports, typed with its ``quant_type``. Tied weights: for the Ascend
+targets the tied ``lm_head.weight`` is written as its own copy and described, as
+msModelSlim's saver does (it walks every module's parameters); for ``vllm`` and
+research artifacts it is left out, exactly as ``save_pretrained`` does. Any other
+tensor sharing storage is written as its own copy (safetensors refuses aliases).
 
-Description: every tensor name -> ``"FLOAT"`` (weights) or ``"FAQuant"`` (FA
-tensors, both fa_quant_types), ``"<attn>.quant_type": "INT8"`` per quantized
-module, ``"fa_quant_type"`` (``"FAQuant"`` GQA / ``"FAKQuant"`` MLA),
-``"model_quant_type": "FLOAT"`` and ``"version"`` (``DESCRIPTION_VERSION``).
+``config.json`` never carries ``quantization_config`` for the Ascend targets (nor
+for research artifacts) and always carries ``torch_dtype``; ``vllm`` artifacts
+carry the compressed-tensors ``quantization_config`` instead of a description.
 
 Every write is atomic: files go to a temporary directory beside the output, which
 is renamed over it at the end; on any error the temporary directory is removed and
@@ -25,13 +30,20 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from ascend_fa.errors import AscendFAError, InputError, OutputExistsError
+from ascend_fa.errors import (
+    AscendFAError,
+    FileFormatError,
+    InputError,
+    OutputExistsError,
+    UnsupportedError,
+)
 from ascend_fa.safe_files import read_json_object
 from ascend_fa.safe_paths import (
     apply_plain_modes,
@@ -47,8 +59,9 @@ from .format import (
     FA_BRANCHES,
     FA_QUANT_TYPES,
     FA_WEIGHTS_NAME,
-    LEGACY_WEIGHTS_NAME,
+    LINEAR_QUANT_TYPES,
     REPORT_FILE,
+    TARGET_METADATA_KEY,
     TOKENIZER_FILES,
     WEIGHTS_INDEX_NAME,
     WEIGHTS_NAME,
@@ -57,12 +70,23 @@ from .format import (
     fa_tensor_name,
 )
 from .reader import read_tensor_index
+from .targets import (
+    KVScaleMap,
+    c8_tensors,
+    check_target,
+    target_config,
+    target_description,
+    vllm_kv_tensors,
+)
 
 __all__ = [
     "parse_size",
     "fa_tensors",
     "build_description",
     "checkpoint_state_dict",
+    "checkpoint_tensors",
+    "CheckpointTensors",
+    "linear_quant_type",
     "export_artifact",
     "merge_into",
     "atomic_output_dir",
@@ -153,21 +177,72 @@ def build_description(
     return desc
 
 
-def checkpoint_state_dict(
-    model: torch.nn.Module, dtype: torch.dtype | None = None
+@dataclass
+class CheckpointTensors:
+    """A model's checkpoint tensors, each tensor's description type, and the
+    linears' type (``model_quant_type``)."""
+
+    tensors: dict[str, torch.Tensor]
+    types: dict[str, str]
+    model_quant_type: str
+
+
+def linear_quant_type(types: Mapping[str, str] | list[str]) -> str:
+    """The description's ``model_quant_type`` for the types of the tensors written:
+    ``"W8A8"`` when any linear is static W8A8 (msModelSlim ranks W8A8 above
+    W8A8_DYNAMIC: msmodelslim 26.1.0 modelslim_v1/save/ascendv1.py
+    ``QUANT_TYPE_PRIORITY``), else ``"W8A8_DYNAMIC"`` when any is, else
+    ``"FLOAT"``."""
+    values = set(types.values() if isinstance(types, Mapping) else types)
+    for t in ("W8A8", "W8A8_DYNAMIC"):
+        if t in values:
+            return t
+    return "FLOAT"
+
+
+def _hf_checkpoint_names(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
+    """transformers' own mapping from in-memory names back to checkpoint names (what
+    ``save_pretrained`` writes), when this transformers has one."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # older transformers: in-memory names are checkpoint names
+        return tensors
+    return dict(revert_weight_conversion(model, tensors))
+
+
+def checkpoint_tensors(
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    *,
+    tied_copies: bool = False,
+) -> CheckpointTensors:
     """The model's tensors under their checkpoint names, ready for safetensors.
 
-    Drops tied copies (``model.all_tied_weights_keys``, HF's own rule), anything
-    under an ``fa_q``/``fa_k``/``fa_v`` submodule, and non-persistent buffers
-    (``state_dict`` already does); casts floating tensors to ``dtype``; clones
-    tensors that still share storage with an earlier one.
+    A module with ``export_tensors`` (a quantized linear) contributes
+    ``export_tensors(name)`` as returned (no cast), typed with its ``quant_type``;
+    its own state_dict entries are not written. Every other tensor: anything under
+    an ``fa_q``/``fa_k``/``fa_v`` submodule and non-persistent buffers are dropped,
+    floating tensors are cast to ``dtype``, names go through transformers'
+    checkpoint mapping (fused MoE experts are split per expert), and each is typed
+    ``"FLOAT"``. Tied copies (``model.all_tied_weights_keys``) are dropped, or
+    written as their own copy with ``tied_copies``.
     """
+    quantized = {
+        name: m
+        for name, m in model.named_modules()
+        if name and callable(getattr(m, "export_tensors", None))
+    }
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    out: dict[str, torch.Tensor] = {}
+    floats: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, t in model.state_dict().items():
-        if name in tied or any(f".{b}." in f".{name}" for b in FA_BRANCHES):
+        if any(f".{b}." in f".{name}" for b in FA_BRANCHES):
+            continue
+        if any(name.startswith(q + ".") for q in quantized):
+            continue
+        if name in tied and not tied_copies:
             continue
         t = t.detach().to("cpu")
         if dtype is not None and t.is_floating_point():
@@ -176,8 +251,29 @@ def checkpoint_state_dict(
         if t.untyped_storage().data_ptr() and key in seen:
             t = t.clone()
         seen.add(key)
-        out[name] = t.contiguous()
-    return out
+        floats[name] = t.contiguous()
+    tensors = _hf_checkpoint_names(model, floats)
+    types = dict.fromkeys(tensors, "FLOAT")
+    for qname, module in quantized.items():
+        quant_type = str(getattr(module, "quant_type", ""))
+        if quant_type not in LINEAR_QUANT_TYPES:
+            raise ValueError(
+                f"{qname}: quant_type {quant_type!r}; expected one of "
+                f"{', '.join(LINEAR_QUANT_TYPES)}"
+            )
+        for tname, t in module.export_tensors(qname).items():
+            if tname in tensors:
+                raise ValueError(f"{tname}: exported twice")
+            tensors[tname] = t.detach().to("cpu").contiguous()
+            types[tname] = quant_type
+    return CheckpointTensors(tensors, types, linear_quant_type(types))
+
+
+def checkpoint_state_dict(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of :func:`checkpoint_tensors` (tied copies dropped)."""
+    return checkpoint_tensors(model, dtype).tensors
 
 
 def is_own_artifact(directory: str | Path) -> bool:
@@ -377,15 +473,6 @@ def _write_shards(
     return files
 
 
-def _fa_quantization_config(scales: ScaleMap, fa_quant_type: str) -> dict[str, str]:
-    cfg = {"fa_quant_type": fa_quant_type}
-    for attn in sorted(scales):
-        for kind in ("scale", "offset"):
-            for branch in FA_BRANCHES:
-                cfg[f"{attn}.{branch}.{kind}"] = "FAQuant"
-    return cfg
-
-
 def _copy_tokenizer_files(source_dir: Path | None, dest: Path) -> list[str]:
     copied = []
     if source_dir is not None:
@@ -397,12 +484,22 @@ def _copy_tokenizer_files(source_dir: Path | None, dest: Path) -> list[str]:
     return copied
 
 
+def _model_geometry(config: Mapping[str, Any] | None) -> tuple[int, int, int]:
+    """``(H, Hkv, D)`` from a model config dict (GQA layout)."""
+    if config is None:
+        raise ValueError("the model config is needed to size KV-cache scales")
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return heads, kv, dim
+
+
 def export_artifact(
     output: str | Path,
     *,
     state_dict: Mapping[str, torch.Tensor],
-    scales: ScaleMap,
-    fa_quant_type: str,
+    scales: ScaleMap | None = None,
+    fa_quant_type: str | None = None,
     config: Mapping[str, Any] | None = None,
     source_dir: str | Path | None = None,
     tokenizer: Any = None,
@@ -411,37 +508,85 @@ def export_artifact(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     force: bool = False,
+    target: str | None = None,
+    tensor_types: Mapping[str, str] | None = None,
+    kv_scales: KVScaleMap | None = None,
+    kv_strategy: str = "tensor",
+    dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write a complete FLOAT + FA artifact to ``output`` atomically; return it.
+    """Write a complete artifact for ``target`` to ``output`` atomically; return it.
 
-    ``state_dict`` are the checkpoint tensors (see :func:`checkpoint_state_dict`);
-    ``config`` the model's ``config.json`` as a dict (its ``quantization_config``
-    is replaced: the weights written are floats). Tokenizer files are copied from
+    ``state_dict`` are the checkpoint tensors and ``tensor_types`` their description
+    types (:func:`checkpoint_tensors`; default: all ``"FLOAT"``). ``target``:
+
+    * ``None`` — a research artifact: float weights + FA tensors (``scales``);
+    * ``"mindie"`` — FA tensors next to quantized linears;
+    * ``"vllm-ascend"`` — C8 from ``kv_scales`` (``[Hkv*D]`` per layer, GQA) or, for
+      MLA, FAKQuant ``scales`` next to quantized linears;
+    * ``"vllm"`` — ``kv_scales`` as ``<attn>.{k,v}_scale`` (``kv_strategy``), no
+      description, compressed-tensors ``quantization_config``.
+
+    ``config`` is the model's ``config.json`` as a dict (rewritten by
+    :func:`~.targets.target_config`; ``dtype`` is its ``torch_dtype``, default:
+    the dtype of the floating weights). Tokenizer files are copied from
     ``source_dir`` when it has them, otherwise saved from ``tokenizer``.
     """
-    if not scales:
-        raise ValueError(
-            "no FA scales to export (the recipe selected no attention module)"
-        )
-    fa = fa_tensors(scales)
-    clash = sorted(set(fa) & set(state_dict))
+    types = dict(tensor_types) if tensor_types is not None else {}
+    types = {name: types.get(name, "FLOAT") for name in state_dict}
+    model_quant_type = linear_quant_type(types)
+    if dtype is None:
+        floats = [t.dtype for t in state_dict.values() if t.is_floating_point()]
+        dtype = floats[0] if floats else torch.float32
+    mla = fa_quant_type == "FAKQuant"
+    if target is not None:
+        check_target(target, mla=mla, model_quant_type=model_quant_type)
+    extra: dict[str, torch.Tensor] = {}
+    c8: dict[str, torch.Tensor] = {}
+    fa_scales: ScaleMap = {}
+    if target == "vllm" or (target == "vllm-ascend" and not mla):
+        if not kv_scales:
+            raise ValueError(
+                f"no KV-cache scales to export for --target {target} (the recipe "
+                "selected no attention module)"
+            )
+        _, kv_heads, dim = _model_geometry(config)
+        if target == "vllm":
+            extra = vllm_kv_tensors(
+                kv_scales, kv_strategy, dict.fromkeys(kv_scales, kv_heads)
+            )
+        else:
+            c8 = c8_tensors(kv_scales, dict.fromkeys(kv_scales, kv_heads * dim))
+            extra = c8
+    else:
+        if not scales:
+            raise ValueError(
+                "no FA scales to export (the recipe selected no attention module)"
+            )
+        fa_scales = scales
+        extra = fa_tensors(scales)
+    clash = sorted(set(extra) & set(state_dict))
     if clash:
-        raise ValueError(f"FA tensor names collide with model tensors: {clash[:3]}")
-    tensors: dict[str, torch.Tensor] = {**state_dict, **fa}
+        raise ValueError(
+            f"quantization tensor names collide with model tensors: {clash[:3]}"
+        )
+    tensors: dict[str, torch.Tensor] = {**state_dict, **extra}
     shard_bytes = parse_size(max_shard_size)
     with atomic_output_dir(output, overwrite=overwrite, force=force) as tmp:
         _write_shards(tmp, tensors, shard_bytes)
-        write_json(
-            tmp / DESCRIPTION_FILE,
-            build_description(list(state_dict), scales, fa_quant_type),
-        )
+        if target != "vllm":
+            write_json(
+                tmp / DESCRIPTION_FILE,
+                target_description(
+                    target,
+                    types,
+                    model_quant_type=model_quant_type,
+                    fa_scales=fa_scales,
+                    fa_quant_type=fa_quant_type,
+                    c8=c8,
+                ),
+            )
         if config is not None:
-            cfg = {
-                k: v
-                for k, v in dict(config).items()
-                if k not in ("quantization_config", "_attn_implementation_internal")
-            }
-            cfg["quantization_config"] = _fa_quantization_config(scales, fa_quant_type)
+            cfg = target_config(config, target, dtype, kv_strategy=kv_strategy)
             write_json(tmp / "config.json", cfg)
         copied = _copy_tokenizer_files(Path(source_dir) if source_dir else None, tmp)
         if not copied and tokenizer is not None:
@@ -452,59 +597,87 @@ def export_artifact(
     return Path(output)
 
 
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FileFormatError(f"invalid JSON ({exc})", path=path) from None
+    if not isinstance(data, dict):
+        raise FileFormatError("not a JSON object", path=path)
+    return data
+
+
 def merge_into(
     target: str | Path,
     *,
-    scales: ScaleMap,
-    fa_quant_type: str,
+    scales: ScaleMap | None = None,
+    fa_quant_type: str | None = None,
     output: str | Path | None = None,
     report: Mapping[str, Any] | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     overwrite: bool = False,
     force: bool = False,
+    consumer: str | None = None,
+    kv_scales: KVScaleMap | None = None,
+    model_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Add FA tensors to an existing msModelSlim export ``target``.
+    """Add FA (``consumer`` mindie, or vllm-ascend MLA) or C8 (vllm-ascend GQA,
+    ``kv_scales``) tensors to an existing msModelSlim export ``target``.
 
     The result goes to ``output`` (default: ``target`` itself, replaced atomically).
-    Every existing file is copied byte for byte; the FA tensors go to a new
-    :data:`FA_WEIGHTS_NAME` (listed in the weights index when ``target`` has one),
-    the description keeps every entry and gains the FA entries, ``fa_quant_type``
-    and ``<attn>.quant_type``; ``config.json`` (when present) gains the
-    ``quantization_config`` FA entries. Existing FA tensors are an error (merge
-    into the export without them).
+    Every existing file is copied byte for byte except ``config.json`` (its
+    ``quantization_config`` removed) and the description; the new tensors go to
+    :data:`FA_WEIGHTS_NAME` (listed in the weights index when ``target`` has one);
+    the description keeps every entry and gains the new ones. With ``consumer``
+    the result is checked with that consumer's rules
+    (:func:`~.inspect.inspect_artifact`) before it is renamed into place.
+    Existing FA or C8 tensors are an error (merge into the export without them).
     """
+    from .merge import check_merge_export
+
     target = Path(target)
-    desc_path = target / DESCRIPTION_FILE
-    if not desc_path.is_file():
-        raise FileNotFoundError(
-            f"--merge-into {target}: no {DESCRIPTION_FILE} (not an msModelSlim export)"
-        )
+    check_merge_export(target, model_config)
     existing = read_tensor_index(target)
-    if not existing:
-        raise FileNotFoundError(
-            f"--merge-into {target}: no safetensors weights "
-            f"({LEGACY_WEIGHTS_NAME} or quant_model_weights*)"
-        )
-    if not scales:
-        raise ValueError(
-            "no FA scales to merge (the recipe selected no attention module)"
-        )
-    try:
-        desc = json.loads(desc_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{desc_path}: invalid JSON ({exc})") from None
-    for attn in sorted(scales):
+    desc = _load_json(target / DESCRIPTION_FILE)
+    c8_mode = consumer == "vllm-ascend" and fa_quant_type != "FAKQuant"
+    if consumer is not None:
+        check_target(consumer, mla=fa_quant_type == "FAKQuant", merge=True)
+    if c8_mode:
+        if not kv_scales:
+            raise ValueError(
+                "no C8 scales to merge (the recipe selected no attention module)"
+            )
+        _, kv_heads, dim = _model_geometry(model_config)
+        new = c8_tensors(kv_scales, dict.fromkeys(kv_scales, kv_heads * dim))
+        modules = sorted(kv_scales)
+    else:
+        if not scales:
+            raise ValueError(
+                "no FA scales to merge (the recipe selected no attention module)"
+            )
+        new = fa_tensors(scales)
+        modules = sorted(scales)
+    for attn in modules:
         if not any(n.startswith(attn + ".") for n in existing):
             raise ValueError(
                 f"attention module {attn} is not in --merge-into {target} (no tensor "
                 f"named {attn}.*); were the scales calibrated on another model?"
             )
-    fa = fa_tensors(scales)
-    clash = sorted(n for n in fa if n in existing or n in desc)
+    clash = sorted(n for n in new if n in existing or n in desc)
     if clash:
         raise ValueError(
             f"--merge-into {target} already has FA entries (e.g. "
             f"{clash[0]}); merge into an export without them"
+        )
+    if not c8_mode and desc.get("kv_cache_type") == "C8":
+        raise UnsupportedError(
+            f"--merge-into {target} has a C8 KV cache; FA and KV-cache quantization "
+            "cannot be combined (msModelSlim refuses both)"
+        )
+    if c8_mode and "fa_quant_type" in desc:
+        raise UnsupportedError(
+            f"--merge-into {target} has FA quantization; FA and KV-cache quantization "
+            "cannot be combined (msModelSlim refuses both)"
         )
     if (target / FA_WEIGHTS_NAME).exists():
         raise ValueError(f"--merge-into {target} already has {FA_WEIGHTS_NAME}")
@@ -521,29 +694,49 @@ def merge_into(
                 shutil.copytree(src, dst)
             else:
                 shutil.copy2(src, dst)
-        save_file(fa, str(tmp / FA_WEIGHTS_NAME), metadata={"format": "pt"})
-        desc["fa_quant_type"] = fa_quant_type
+        save_file(new, str(tmp / FA_WEIGHTS_NAME), metadata={"format": "pt"})
         desc.setdefault("model_quant_type", "FLOAT")
         desc.setdefault("version", DESCRIPTION_VERSION)
-        for attn in sorted(scales):
-            desc[f"{attn}.quant_type"] = "INT8"
-        desc.update(dict.fromkeys(fa, "FAQuant"))
+        if c8_mode:
+            desc["kv_cache_type"] = "C8"
+            desc["kv_quant_type"] = "C8"
+            desc.update(dict.fromkeys(new, "C8"))
+        else:
+            desc["fa_quant_type"] = fa_quant_type
+            for attn in modules:
+                desc[f"{attn}.quant_type"] = "INT8"
+            desc.update(dict.fromkeys(new, "FAQuant"))
+        if consumer is not None:
+            meta = desc.get("metadata")
+            meta = dict(meta) if isinstance(meta, dict) else {}
+            meta[TARGET_METADATA_KEY] = consumer
+            desc["metadata"] = meta
         write_json(tmp / DESCRIPTION_FILE, desc)
         for index in sorted(tmp.glob("*.safetensors.index.json")):
-            data = json.loads(index.read_text(encoding="utf-8"))
-            data.setdefault("weight_map", {}).update(dict.fromkeys(fa, FA_WEIGHTS_NAME))
+            data = _load_json(index)
+            data.setdefault("weight_map", {}).update(
+                dict.fromkeys(new, FA_WEIGHTS_NAME)
+            )
             meta = data.setdefault("metadata", {})
             if isinstance(meta.get("total_size"), int):
-                meta["total_size"] += sum(_nbytes(t) for t in fa.values())
+                meta["total_size"] += sum(_nbytes(t) for t in new.values())
             write_json(index, data)
         if (tmp / "config.json").is_file():
-            cfg = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
-            qc = cfg.get("quantization_config")
-            qc = dict(qc) if isinstance(qc, dict) else {}
-            qc.update(_fa_quantization_config(scales, fa_quant_type))
-            cfg["quantization_config"] = qc
+            # The export's own quantization_config would hide the description from
+            # vLLM-based loaders (get_quant_config); msModelSlim removes it too.
+            cfg = _load_json(tmp / "config.json")
+            cfg.pop("quantization_config", None)
             write_json(tmp / "config.json", cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
         write_extra_files(tmp, extra_files)
+        if consumer is not None:
+            from .inspect import inspect_artifact
+
+            result = inspect_artifact(tmp, target=consumer)
+            if not result["valid"]:
+                raise UnsupportedError(
+                    f"the merged artifact would not load in {consumer}: "
+                    + "; ".join(result["findings"][:5])
+                )
     return output

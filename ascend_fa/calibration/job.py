@@ -8,10 +8,17 @@ samples in padded batches (padding excluded through the attention mask); turn th
 observers into fake-quant modules; run the held-out samples float and fake-quant for
 the report (:mod:`.report`); write the artifact (or ``merge_into`` an msModelSlim
 export) atomically (:mod:`ascend_fa.artifact`).
+
+``target`` picks what is written (:mod:`ascend_fa.artifact.targets`): FAQuant /
+FAKQuant scales (``mindie``; ``vllm-ascend`` for MLA), C8 per-channel K/V scales
+(``vllm-ascend`` for GQA) or FP8 K/V scales (``vllm``), observed at the same FA
+points in the same forwards (:mod:`.kv`); the held-out report then measures that
+quantization. ``dtype`` is the artifact's weight dtype (bf16 default).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -72,6 +79,27 @@ class CalibrationResult:
         return lines
 
 
+#: ``--linear`` value -> the description's ``model_quant_type``.
+_LINEAR_TYPES = {"none": "FLOAT", "w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}
+
+
+def _source_config(model: str | Path | None) -> dict[str, Any] | None:
+    """A HF checkpoint directory's ``config.json`` as a dict (None for GGUF, the
+    default model, or an unreadable file: the loader reports those)."""
+    import json
+
+    if model is None:
+        return None
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _picture(report: dict[str, Any]) -> dict[str, bytes]:
     """``{calibration_report.png: bytes}``, or nothing (with a warning) when
     matplotlib cannot draw here."""
@@ -102,11 +130,10 @@ def _check_locations(
     overwrite: bool,
     force: bool,
 ) -> None:
-    """Every refusal about where we read and write, before the model loads: the
-    output is not the model or the merge target, nor inside or around them; it is
-    not a symlink, and replaces only what ``overwrite``/``force`` allow; the merge
-    target is a readable msModelSlim export."""
-    from ascend_fa.artifact.reader import check_merge_target
+    """Every refusal about where we write, before the model loads: the output is
+    not the model or the merge target, nor inside or around them; it is not a
+    symlink, and replaces only what ``overwrite``/``force`` allow (the merge
+    target's contents are checked by the caller (``artifact.check_merge_export``)."""
     from ascend_fa.artifact.writer import check_output_dir
     from ascend_fa.safe_paths import check_disjoint
 
@@ -114,7 +141,6 @@ def _check_locations(
         check_disjoint(output, {"--model": model, "--merge-into": merge_into})
         check_output_dir(output, overwrite=overwrite, force=force)
     if merge_into is not None:
-        check_merge_target(merge_into)
         if output is None:
             check_output_dir(merge_into, overwrite=True, force=True)
 
@@ -140,18 +166,27 @@ def calibrate(
     picture_report: bool = True,
     cache: bool = True,
     progress: bool = True,
+    target: str | None = None,
+    dtype: str | None = None,
+    kv_strategy: str = "tensor",
+    linear: str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
 
     Arguments mirror ``ascend-fa calibrate``'s flags. Raises the typed errors of
     :mod:`ascend_fa.errors` for bad input, before any model is loaded.
+    ``linear`` is the quantized-linear type the model will carry (``"w8a8"``,
+    ``"w8a8_dynamic"``; None/``"none"``: float linears): it decides whether
+    ``target`` can load the result.
     """
     from ascend_fa import artifact
+    from ascend_fa.adapters.hf import find_fa_modules, swapped_points
     from ascend_fa.backends import get_backend
-    from ascend_fa.models import load_model, source_dtype
+    from ascend_fa.models import load_model
 
     from .data import load_calib_texts, split_calibration
+    from .kv import KVCalibration, KVQuantSpec, recipe_settings
     from .pipeline import calibrate_model
     from .recipe import load_recipe
     from .report import build_report, heldout_report
@@ -163,6 +198,32 @@ def calibrate(
     )
     artifact.parse_size(max_shard_size)
     _check_locations(model, output, merge_into, overwrite=overwrite, force=force)
+    target = artifact.resolve_target(target)
+    art_dtype = artifact.resolve_dtype(dtype)
+    if kv_strategy not in artifact.KV_STRATEGIES:
+        raise InputError(
+            f"--kv-strategy {kv_strategy!r}; choose one of "
+            f"{', '.join(artifact.KV_STRATEGIES)}"
+        )
+    src_config = _source_config(model)
+    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
+    linear_type = _LINEAR_TYPES.get(str(linear or "none").lower())
+    if linear_type is None:
+        raise InputError(f"--linear {linear!r}; choose w8a8, w8a8_dynamic or none")
+    artifact.check_target(
+        target,
+        mla=mla,
+        model_quant_type=linear_type,
+        merge=merge_into is not None,
+        model_type=src_config.get("model_type") if src_config else None,
+    )
+    if clip_search and target != "mindie":
+        raise InputError(
+            f"--clip-search tunes FAQuant scales, which --target {target} does not "
+            "write for GQA models; use it with --target mindie"
+        )
+    if merge_into is not None:
+        artifact.check_merge_export(merge_into, src_config)
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
     calib, held = split_calibration(texts, num_samples, heldout, seed)
@@ -174,6 +235,24 @@ def calibrate(
     loaded = load_model(model, gguf_file, cache=cache)
     net = loaded.model.to(device)
     seconds["load"] = time.perf_counter() - t0
+    mla = net.config.model_type == "deepseek_v3"
+    artifact.check_target(
+        target,
+        mla=mla,
+        model_quant_type=linear_type,
+        merge=merge_into is not None,
+        model_type=net.config.model_type,
+    )
+    if merge_into is not None:
+        artifact.check_merge_export(merge_into, net.config.to_dict())
+    kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
+    kv = None
+    if kv_mode is not None:
+        kv = KVCalibration(
+            kv_mode,
+            settings=recipe_settings(recipe_obj),
+            max_tokens=len(calib) * max_length,
+        )
     t0 = time.perf_counter()
     kwargs = dict(
         recipe=recipe_obj,
@@ -182,6 +261,8 @@ def calibrate(
         device=device,
         progress=progress,
     )
+    if kv is not None:
+        kwargs["wrap"] = kv.wrap
     if clip_search:
         from .search import calibrate_with_search
 
@@ -190,22 +271,37 @@ def calibrate(
         result = calibrate_model(net, loaded.tokenizer, calib, **kwargs)
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
+    kv_scales = kv.scales(kv_strategy) if kv is not None else None
     t0 = time.perf_counter()
     held_stats, per_layer = ({}, {})
     if held:
-        held_stats, per_layer = heldout_report(
-            net,
-            loaded.tokenizer,
-            held,
-            max_length=max_length,
-            batch_size=batch_size,
-            device=device,
-            progress=progress,
+        # The held-out numbers measure what the target deploys: for C8 / FP8 the
+        # FA points run the KV cache round trip (Q float) instead of FAQuant.
+        deployed = (
+            swapped_points(
+                find_fa_modules(net),
+                KVQuantSpec(
+                    kv_mode, kv_scales, art_dtype if kv_mode == "c8" else None
+                ).point,
+            )
+            if kv is not None and kv_mode is not None and kv_scales is not None
+            else contextlib.nullcontext()
         )
+        with deployed:
+            held_stats, per_layer = heldout_report(
+                net,
+                loaded.tokenizer,
+                held,
+                max_length=max_length,
+                batch_size=batch_size,
+                device=device,
+                progress=progress,
+            )
     seconds["heldout"] = time.perf_counter() - t0
     result.remove(net)
 
     fa_quant_type = result.adapter.fa_quant_type
+    quant_kind = {"c8": "C8", "fp8": "FP8 KV"}.get(kv_mode or "", fa_quant_type)
     source = (
         str(loaded.source_dir / loaded.gguf_file)
         if loaded.gguf_file
@@ -220,6 +316,16 @@ def calibrate(
             "model": source,
             "model_type": net.config.model_type,
             "fa_quant_type": fa_quant_type,
+            "target": target,
+            "deployed": quant_kind,
+            "kv_cache_scales": (
+                {
+                    a: {k: v.tolist() for k, v in sides.items()}
+                    for a, sides in kv_scales.items()
+                }
+                if kv_scales
+                else None
+            ),
             "recipe": [p.config.model_dump() for p in result.processors],
             "calibration": {
                 "num_samples": len(calib),
@@ -230,31 +336,41 @@ def calibrate(
             },
         },
     )
+    fa_written = kv_scales is None
     extra_files = _picture(report) if picture_report else {}
     if merge_into:
         dest = artifact.merge_into(
             merge_into,
-            scales=scales,
+            scales=scales if fa_written else None,
             fa_quant_type=fa_quant_type,
             output=output,
             report=report,
             extra_files=extra_files,
             overwrite=overwrite,
             force=force,
+            consumer=target,
+            kv_scales=kv_scales,
+            model_config=net.config.to_dict(),
         )
     else:
         assert output is not None
-        dtype = source_dtype(loaded.source_dir, loaded.gguf_file)
         config = net.config.to_dict()
-        config["dtype"] = str(dtype).removeprefix("torch.")
         # A GGUF-loaded config has no architectures; loaders dispatch on it.
         config["architectures"] = config.get("architectures") or [type(net).__name__]
         config.pop("_name_or_path", None)
+        ckpt = artifact.checkpoint_tensors(
+            net, art_dtype, tied_copies=target in artifact.ASCEND_TARGETS
+        )
         dest = artifact.export_artifact(
             output,
-            state_dict=artifact.checkpoint_state_dict(net, dtype),
-            scales=scales,
+            state_dict=ckpt.tensors,
+            tensor_types=ckpt.types,
+            scales=scales if fa_written else None,
             fa_quant_type=fa_quant_type,
+            kv_scales=kv_scales,
+            kv_strategy=kv_strategy,
+            target=target,
+            dtype=art_dtype,
             config=config,
             source_dir=None if loaded.gguf_file else loaded.source_dir,
             tokenizer=loaded.tokenizer,
@@ -266,7 +382,7 @@ def calibrate(
         )
     return CalibrationResult(
         output=Path(dest),
-        fa_quant_type=fa_quant_type,
+        fa_quant_type=quant_kind,
         layers=len(report["layers"]),
         num_samples=len(calib),
         report=report,

@@ -92,6 +92,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="held-out samples for the report (default 4; 0 = none)",
     )
     parser.add_argument(
+        "--target",
+        default="mindie",
+        help="consumer to write for: mindie (FAQuant/FAKQuant + quantized "
+        "linears), vllm-ascend (C8 int8 KV cache for GQA, FAKQuant for MLA), vllm "
+        "(compressed-tensors FP8 KV-cache scales); default mindie",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bf16",
+        help="weight dtype of the artifact: bf16 (default) or fp16",
+    )
+    parser.add_argument(
+        "--kv-strategy",
+        default="tensor",
+        help="--target vllm: one FP8 scale per tensor (default) or per KV head "
+        "(attn_head)",
+    )
+    parser.add_argument(
         "--clip-search",
         action="store_true",
         help="after the recipe's observers, choose each head's clip "
@@ -130,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         heldout=args.heldout,
         clip_search=args.clip_search,
+        target=args.target,
+        dtype=args.dtype,
+        kv_strategy=args.kv_strategy,
         picture_report=not args.no_report,
         cache=not args.no_cache,
         progress=not getattr(args, "quiet", False),

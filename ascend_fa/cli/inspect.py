@@ -19,6 +19,12 @@ __all__ = ["COMMAND", "HELP", "add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="artifact directory")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="judge as this consumer does: mindie, vllm-ascend or vllm (default: "
+        "the target recorded in the artifact)",
+    )
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -28,8 +34,9 @@ def _print(result: dict[str, Any]) -> None:
     print(f"artifact {result['dir']}")
     if s:
         print(
-            f"  model_quant_type {s['model_quant_type']}  fa_quant_type "
-            f"{s['fa_quant_type']}  version {s['version']}"
+            f"  target {s['target'] or '-'}  model_quant_type {s['model_quant_type']}"
+            f"  fa_quant_type {s['fa_quant_type']}  kv_cache_type "
+            f"{s['kv_cache_type']}  version {s['version']}"
         )
         print(
             f"  {s['tensors']} tensors in {len(s['weight_files'])} file(s), "
@@ -46,7 +53,8 @@ def _print(result: dict[str, Any]) -> None:
             cells = []
             for b in FA_BRANCHES:
                 r = row.get(b)
-                cells.append(f"{r['min']:.3g}..{r['max']:.3g}" if r else "-")
+                ok = r and r["min"] is not None
+                cells.append(f"{r['min']:.3g}..{r['max']:.3g}" if ok else "-")
             q = row.get("fa_q", {}).get("heads", "-")
             print(
                 f"  {row['module']:<40} {q!s:>7} {row['kv_heads']!s:>8} "
@@ -63,9 +71,9 @@ def _print(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.artifact import inspect_artifact
 
-    result = inspect_artifact(args.dir)
+    result = inspect_artifact(args.dir, target=args.target)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2, allow_nan=False))
     else:
         _print(result)
     return 0 if result["valid"] else 1

@@ -1,0 +1,89 @@
+"""Is a directory an msModelSlim W8A8 export of this model? (``--merge-into``)
+
+:func:`check_merge_export` reads only JSON and safetensors headers, so the
+``calibrate`` verb calls it before the model loads: a directory that is not an
+export, or an export of another model (layer count or tensor shapes differ), is
+refused in well under a second.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from ascend_fa.errors import InputError
+
+from .format import DESCRIPTION_FILE, LINEAR_QUANT_TYPES
+from .reader import check_merge_target, read_description
+
+__all__ = ["check_merge_export", "export_layer_count"]
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def export_layer_count(names: list[str]) -> int:
+    """``max(i) + 1`` over tensor names containing ``layers.{i}.`` (0 when none)."""
+    found = [int(m.group(1)) for n in names if (m := _LAYER.search(n))]
+    return max(found) + 1 if found else 0
+
+
+def _shape(where: Mapping[str, Path], name: str) -> list[int] | None:
+    path = where.get(name)
+    if path is None:
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.get_slice(name).get_shape())
+
+
+def check_merge_export(
+    directory: str | Path, model_config: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Refuse ``directory`` unless it is an msModelSlim W8A8 export (description
+    with a quantized ``model_quant_type`` + readable safetensors weights) whose
+    layer count and shapes match ``model_config`` (when given). Returns the
+    description.
+    """
+    directory = Path(directory)
+    flag = f"--merge-into {directory}"
+    # Readable export, safe names, valid headers, no FA tensors yet (reader rules).
+    where = check_merge_target(directory)
+    desc = read_description(directory)
+    mqt = desc.get("model_quant_type")
+    if mqt not in LINEAR_QUANT_TYPES:
+        raise InputError(
+            f"{flag}: model_quant_type {mqt!r} in {DESCRIPTION_FILE}; a W8A8 export "
+            f"has one of {', '.join(LINEAR_QUANT_TYPES)}"
+        )
+    if model_config is None:
+        return desc
+    layers = model_config.get("num_hidden_layers")
+    have = export_layer_count(list(where))
+    if isinstance(layers, int) and have != layers:
+        raise InputError(
+            f"{flag} belongs to another model: it has {have} layers, the model has "
+            f"{layers}"
+        )
+    hidden = model_config.get("hidden_size")
+    vocab = model_config.get("vocab_size")
+    emb = _shape(where, "model.embed_tokens.weight")
+    if emb is not None and [vocab, hidden] != emb:
+        raise InputError(
+            f"{flag} belongs to another model: model.embed_tokens.weight is {emb}, "
+            f"the model's is [{vocab}, {hidden}]"
+        )
+    heads = model_config.get("num_attention_heads")
+    if isinstance(heads, int) and isinstance(hidden, int) and heads:
+        kv = int(model_config.get("num_key_value_heads") or heads)
+        dim = int(model_config.get("head_dim") or hidden // heads)
+        k = _shape(where, "model.layers.0.self_attn.k_proj.weight")
+        if k is not None and k[0] != kv * dim:
+            raise InputError(
+                f"{flag} belongs to another model: "
+                f"model.layers.0.self_attn.k_proj.weight has {k[0]} rows, the model "
+                f"has {kv} KV heads x {dim} = {kv * dim}"
+            )
+    return desc

@@ -1,0 +1,284 @@
+"""KV-cache scales for the C8 (vllm-ascend) and FP8 (vLLM) targets, and their
+fake-quant modules.
+
+Both observe the ``fa_k`` / ``fa_v`` points, which see exactly what the cache
+holds: K after RoPE and V, ``[B, Hkv, T, D]``, before ``repeat_kv``, padding
+excluded through the token mask.
+
+==========  ==========================================  ==========================
+mode        statistic                                   scale
+==========  ==========================================  ==========================
+``c8``      per channel ``c = h * D + d`` (the cache's   ``max(max(-lo, hi) / 127,
+            channel order, vllm-ascend attention_v1.py  2**-23)`` fp32 ``[Hkv*D]``
+            ``_prepare_c8_scales`` views the scale as
+            ``[Hkv, D]``): the recipe's K / V method
+            (recall window or minmax) over tokens
+``fp8``     per KV head: exact ``max |x|``               ``amax / 448`` fp32, per
+                                                        head ``[Hkv]`` or the max
+                                                        over heads ``[1]``
+==========  ==========================================  ==========================
+
+The FP8 scale is vLLM's convention ``quantized * scale ~= value`` with
+``scale = amax / FP8_max`` (vllm-project/vllm models/llama.py
+``load_kv_cache_scales``: "scaling_factor = tensor_amax / FPtype_max"), so no value
+saturates.
+
+:class:`KVQuantSpec` turns scales back into fake-quant modules at the FA points
+(Q float, K/V quantized as the device stores them) for the held-out report,
+``ascend-fa eval`` and the target benchmark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascend_fa.atb_ops import per_head_qparams
+from ascend_fa.atb_ops.constants import FP8_E4M3_MAX
+from ascend_fa.atb_ops.quant import int8_codes
+
+from .observers import PerHeadObserver
+from .placeholder import FA3QuantPlaceHolder
+
+__all__ = [
+    "KV_MODES",
+    "KVObserverPoint",
+    "KVCalibration",
+    "C8FakeQuant",
+    "FP8FakeQuant",
+    "KVQuantSpec",
+    "fp8_scale",
+    "recipe_settings",
+]
+
+KV_MODES = ("c8", "fp8")
+_SIDES = {"fa_k": "k", "fa_v": "v"}
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``max(amax / 448, tiny)`` in fp32: the FP8 E4M3 scale of an absolute max (the
+    floor keeps an all-zero head's scale > 0, as the FP8 weight converter does)."""
+    return torch.clamp(amax.float() / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+
+
+def _channels(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> ``[B, H*D, T, 1]`` with channel ``h * D + d`` on axis 1."""
+    b, h, t, d = x.shape
+    return x.permute(0, 1, 3, 2).reshape(b, h * d, t, 1)
+
+
+class KVObserverPoint(nn.Module):
+    """Wraps an FA point: feeds ``x`` ``[B, Hkv, T, D]`` to ``observer`` (per
+    channel or per head) and returns ``inner(x, token_mask)`` unchanged."""
+
+    def __init__(
+        self, inner: nn.Module, observer: PerHeadObserver, per_channel: bool
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.observer = observer
+        self.per_channel = per_channel
+        self.num_heads = getattr(inner, "num_heads", None)
+        self.head_dim = getattr(inner, "head_dim", None)
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seen = _channels(x.detach()) if self.per_channel else x.detach()
+        self.observer.update(seen, token_mask)
+        return self.inner(x, token_mask)
+
+
+@dataclass
+class KVCalibration:
+    """KV observers for ``mode`` (``"c8"`` or ``"fp8"``), installed through the
+    calibration loop's ``wrap`` hook (:meth:`wrap`).
+
+    ``settings(attn, branch)`` gives the recipe's ``(method, ratio, accumulate)``
+    for a K or V point (C8 uses it per channel; FP8 always takes the exact max).
+    ``max_tokens`` bounds the tokens one channel sees (pooled accumulation).
+    """
+
+    mode: str
+    settings: Any = None
+    max_tokens: int | None = None
+    observers: dict[str, dict[str, PerHeadObserver]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in KV_MODES:
+            raise ValueError(f"KV mode {self.mode!r}; expected one of {KV_MODES}")
+
+    def wrap(self, attn: str, branch: str, point: nn.Module) -> nn.Module | None:
+        """``PointWrapper`` for :func:`~.pipeline.calibrate_model`: observe K and V."""
+        side = _SIDES.get(branch)
+        if side is None:
+            return None
+        heads, dim = int(point.num_heads), int(point.head_dim)
+        name = f"{attn}.{branch}"
+        if self.mode == "fp8":
+            obs = PerHeadObserver(heads, method="minmax", name=name)
+        else:
+            method, ratio, accumulate = ("minmax", 1.0, "union")
+            if self.settings is not None:
+                method, ratio, accumulate = self.settings(attn, branch)
+            obs = PerHeadObserver(
+                heads * dim,
+                method=method,
+                ratio=ratio,
+                accumulate=accumulate,
+                max_samples=self.max_tokens if accumulate == "pooled" else None,
+                name=f"{name} (per channel)",
+            )
+        self.observers.setdefault(attn, {})[side] = obs
+        return KVObserverPoint(point, obs, per_channel=self.mode == "c8")
+
+    def scales(self, strategy: str = "tensor") -> dict[str, dict[str, torch.Tensor]]:
+        """``{attn: {"k": scale, "v": scale}}``: C8 ``[Hkv*D]``, FP8 ``[Hkv]``
+        (``strategy="attn_head"``) or ``[1]`` (``"tensor"``)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for attn, sides in self.observers.items():
+            entry = {}
+            for side, obs in sides.items():
+                lo, hi = obs.range()
+                if self.mode == "c8":
+                    entry[side] = per_head_qparams(lo, hi)[0]
+                else:
+                    amax = torch.maximum(-lo, hi).clamp(min=0)
+                    if strategy == "tensor":
+                        amax = amax.max().reshape(1)
+                    entry[side] = fp8_scale(amax)
+            out[attn] = entry
+        return out
+
+
+class C8FakeQuant(nn.Module):
+    """The C8 cache round trip of K or V ``[B, Hkv, T, D]``: per channel
+    ``clamp(round(x / s[h, d]), -128, 127) * s[h, d]``, output in ``x``'s dtype.
+
+    ``dtype`` (the model dtype) rounds the scale to what vllm-ascend holds (its
+    weight loader casts the scale to the parameter dtype, ``kv_c8.py``). The device
+    multiplies by ``1 / s`` in that dtype; dividing in fp32 here can move a value
+    that lies within an ulp of a rounding tie by one code, far inside the error
+    budget of the cache itself.
+    """
+
+    def __init__(
+        self,
+        branch: str,
+        scale: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        s = scale.detach().reshape(num_heads, head_dim).to(torch.float32)
+        if dtype is not None:
+            s = s.to(dtype).to(torch.float32)
+        self.branch = branch
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.register_buffer("scale", s.clone())
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        s = self.scale.to(x.device).view(1, self.num_heads, 1, self.head_dim)
+        return (int8_codes(x, s) * s).to(x.dtype)
+
+
+class FP8FakeQuant(nn.Module):
+    """The FP8 E4M3 cache round trip of K or V ``[B, Hkv, T, D]``: ``fp8(clamp(x /
+    s, ±448)) * s`` with ``s`` ``[1]`` or ``[Hkv]`` (vLLM saturates when it writes
+    the cache and multiplies by the scale when it reads)."""
+
+    def __init__(self, branch: str, scale: torch.Tensor, num_heads: int) -> None:
+        super().__init__()
+        s = scale.detach().reshape(-1).to(torch.float32)
+        if s.numel() not in (1, num_heads):
+            raise ValueError(
+                f"FP8FakeQuant({branch}): scale has {s.numel()} values; expected 1 or "
+                f"{num_heads}"
+            )
+        self.branch = branch
+        self.num_heads = num_heads
+        self.register_buffer("scale", s.clone())
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        s = self.scale.to(x.device).view(1, -1, 1, 1)
+        y = torch.clamp(x.float() / s, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return (y.to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+
+@dataclass
+class KVQuantSpec:
+    """What a C8 or FP8 artifact deploys, as fake-quant modules at the FA points:
+    Q float, K and V through :class:`C8FakeQuant` / :class:`FP8FakeQuant`.
+
+    ``scales[attn] = {"k": ..., "v": ...}``; ``dtype`` is the model dtype the
+    device holds C8 scales in (None keeps fp32).
+    """
+
+    kind: str
+    scales: Mapping[str, Mapping[str, torch.Tensor]]
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KV_MODES:
+            raise ValueError(f"KV spec kind {self.kind!r}; expected one of {KV_MODES}")
+
+    def point(self, attn: str, branch: str, point: nn.Module) -> nn.Module:
+        """``make`` for :func:`~ascend_fa.adapters.hf.swapped_points`."""
+        heads = int(point.num_heads)
+        dim = getattr(point, "head_dim", None)
+        side = _SIDES.get(branch)
+        if side is None or attn not in self.scales:
+            return FA3QuantPlaceHolder(branch, heads, dim)
+        scale = self.scales[attn][side]
+        if self.kind == "c8":
+            return C8FakeQuant(branch, scale, heads, int(dim), self.dtype)
+        return FP8FakeQuant(branch, scale, heads)
+
+    def check(self, mods: Mapping[str, nn.Module]) -> None:
+        """Raise ``ValueError`` naming the tensor when the scales do not fit the
+        model's FA points ``mods``."""
+        if not self.scales:
+            raise ValueError("no KV-cache scales to evaluate")
+        for attn, sides in self.scales.items():
+            if attn not in mods:
+                raise ValueError(
+                    f"{attn}: the model has no attention module {attn!r}; were the "
+                    "scales calibrated on another model?"
+                )
+            for branch, side in _SIDES.items():
+                point = mods[attn]._modules[branch]
+                heads, dim = int(point.num_heads), getattr(point, "head_dim", None)
+                t = sides.get(side)
+                want = (heads * int(dim),) if self.kind == "c8" else (1, heads)
+                if t is None or t.numel() not in want:
+                    got = "missing" if t is None else f"{t.numel()} values"
+                    raise ValueError(
+                        f"{attn} {side} scale: {got}; the model needs "
+                        f"{' or '.join(map(str, want))}"
+                    )
+                if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+                    raise ValueError(f"{attn} {side} scale must be finite and > 0")
+
+
+def recipe_settings(recipe: Any) -> Any:
+    """``settings(attn, branch) -> (method, ratio, accumulate)`` from the first
+    recipe item that selects ``attn`` (minmax when none does)."""
+
+    def settings(attn: str, branch: str) -> tuple[str, float, str]:
+        for item in getattr(recipe, "processors", []):
+            if item.matches(attn):
+                s = item.branch_settings(branch)
+                return s.method, s.ratio, s.accumulate
+        return "minmax", 1.0, "union"
+
+    return settings

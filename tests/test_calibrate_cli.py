@@ -52,6 +52,8 @@ def calibrate(model_dir, out, *extra):
             "3",
             "--heldout",
             "2",
+            "--linear",
+            "none",
             "--output",
             str(out),
             *extra,

@@ -63,6 +63,15 @@ class CalibrationResult:
                 f"{s['mean_attention_output_cosine']:.5f}, min "
                 f"{s['min_attention_output_cosine']:.5f}"
             )
+        lin = self.report.get("linears")
+        if lin:
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(lin["counts"].items()))
+            kl = lin.get("scan_kl")
+            tail = f"; scan KL {kl:.5f}" if kl is not None else ""
+            lines.append(
+                f"linears: {counts} (fallback {lin['fallback']}{tail}; "
+                f"{lin['seconds'].get('quantize', 0):.1f} s)"
+            )
         lines.append(f"wrote {self.output}")
         return lines
 
@@ -71,6 +80,44 @@ def _check_positive(**values: int) -> None:
     for flag, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise InputError(f"--{flag.replace('_', '-')} must be > 0, got {value!r}")
+
+
+def _linear_type(linear: str | None) -> str | None:
+    """``--linear`` -> description type (None: linears stay float)."""
+    from ascend_fa.linear import LINEAR_MODES
+
+    key = "w8a8" if linear is None else linear
+    if key not in LINEAR_MODES:
+        raise InputError(
+            f"--linear must be one of {', '.join(LINEAR_MODES)}, got {linear!r}"
+        )
+    return LINEAR_MODES[key]
+
+
+def _fallback(value: int | str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise InputError(
+            f"--linear-fallback must be a number >= 0 or 'auto', got {value!r}"
+        )
+    return n
+
+
+def _linear_config(
+    quant_type: str | None, dtype: torch.dtype, fallback: int | str, seed: int
+) -> Any:
+    if quant_type is None:
+        return None
+    from ascend_fa.linear import LinearConfig
+
+    # GGUF sources load dequantized in fp32; scales are made representable in the
+    # artifact's dtype (bf16 unless the checkpoint says fp16/fp32).
+    return LinearConfig(quant_type, dtype, fallback=fallback, seed=seed)
 
 
 def calibrate(
@@ -91,16 +138,25 @@ def calibrate(
     heldout: int = 4,
     clip_search: bool = False,
     progress: bool = True,
+    linear: str | None = None,
+    linear_fallback: int | str = "auto",
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
 
     Arguments mirror ``ascend-fa calibrate``'s flags. Raises the typed errors of
     :mod:`ascend_fa.errors` for bad input, before any model is loaded.
+
+    ``linear``: ``"w8a8"`` (default, the MindIE target's), ``"w8a8_dynamic"`` or
+    ``"none"``: quantize the linears first (:mod:`ascend_fa.linear`), so the FA
+    scales are calibrated with the quantized linears active; ``linear_fallback``
+    keeps that many linears float (or ``"auto"``: up to 10 %, by a KL budget).
     """
     from ascend_fa import artifact
     from ascend_fa.backends import get_backend
     from ascend_fa.models import load_model, source_dtype
+
+    from ascend_fa.linear import export_state
 
     from .data import load_calib_texts, split_calibration
     from .pipeline import calibrate_model
@@ -125,6 +181,8 @@ def calibrate(
                 "replace it",
                 path=out,
             )
+    linear_type = _linear_type(linear)
+    linear_fallback = _fallback(linear_fallback)
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
     calib, held = split_calibration(texts, num_samples, heldout, seed)
@@ -136,6 +194,7 @@ def calibrate(
     loaded = load_model(model, gguf_file)
     net = loaded.model.to(device)
     seconds["load"] = time.perf_counter() - t0
+    dtype = source_dtype(loaded.source_dir, loaded.gguf_file)
     t0 = time.perf_counter()
     kwargs = dict(
         recipe=recipe_obj,
@@ -144,12 +203,17 @@ def calibrate(
         device=device,
         progress=progress,
     )
+    linear_cfg = _linear_config(linear_type, dtype, linear_fallback, seed)
     if clip_search:
         from .search import calibrate_with_search
 
-        result = calibrate_with_search(net, loaded.tokenizer, calib, **kwargs)
+        result = calibrate_with_search(
+            net, loaded.tokenizer, calib, linear=linear_cfg, **kwargs
+        )
     else:
-        result = calibrate_model(net, loaded.tokenizer, calib, **kwargs)
+        result = calibrate_model(
+            net, loaded.tokenizer, calib, linear=linear_cfg, **kwargs
+        )
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
     t0 = time.perf_counter()
@@ -173,6 +237,10 @@ def calibrate(
         if loaded.gguf_file
         else str(loaded.source_dir)
     )
+    if result.linear is not None:
+        report_extra = {"linears": result.linear.to_report()}
+    else:
+        report_extra = {}
     report = build_report(
         scales=scales,
         ranges=result.ranges,
@@ -190,6 +258,7 @@ def calibrate(
                 "seed": seed,
                 "seconds": round(seconds["calibrate"], 3),
             },
+            **report_extra,
         },
     )
     if merge_into:
@@ -203,7 +272,6 @@ def calibrate(
         )
     else:
         assert output is not None
-        dtype = source_dtype(loaded.source_dir, loaded.gguf_file)
         config = net.config.to_dict()
         config["dtype"] = str(dtype).removeprefix("torch.")
         # A GGUF-loaded config has no architectures; loaders dispatch on it.
@@ -211,7 +279,7 @@ def calibrate(
         config.pop("_name_or_path", None)
         dest = artifact.export_artifact(
             output,
-            state_dict=artifact.checkpoint_state_dict(net, dtype),
+            state_dict=export_state(net, artifact.checkpoint_state_dict(net, dtype)),
             scales=scales,
             fa_quant_type=fa_quant_type,
             config=config,

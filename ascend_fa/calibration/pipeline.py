@@ -23,6 +23,7 @@ __all__ = [
     "CalibratedModel",
     "PointWrapper",
     "Ranges",
+    "calibrate_linears",
     "calibrate_model",
     "calibration_batches",
     "float_mode",
@@ -139,13 +140,17 @@ def tighten_max_samples(config: Any, bound: int | None) -> Any:
 
 
 class CalibratedModel(NamedTuple):
-    """What :func:`calibrate_model` returns, ``(processors, adapter, ranges)``; the
-    model is left in fake-quant mode (:meth:`remove` restores it bit for bit).
-    ``ranges[attn][fa_x] = (lo [H], hi [H])`` are the calibrated ranges."""
+    """What :func:`calibrate_model` returns, ``(processors, adapter, ranges,
+    linear)``; the model is left in fake-quant mode (:meth:`remove` restores its
+    FA points bit for bit; quantized linears stay in place).
+    ``ranges[attn][fa_x] = (lo [H], hi [H])`` are the calibrated ranges;
+    ``linear`` the :class:`~ascend_fa.linear.LinearResult` (None without linears).
+    """
 
     processors: list[FA3Processor]
     adapter: Any
     ranges: Ranges
+    linear: Any = None
 
     def export_scales(self, model: nn.Module) -> dict[str, Any]:
         """``{attn: {"fa_q": (scale [H], offset [H]), ...}}`` of every processor."""
@@ -172,16 +177,34 @@ def calibrate_model(
     device: torch.device | str = "cpu",
     wrap: PointWrapper | None = None,
     progress: bool = True,
+    linear: Any = None,
 ) -> CalibratedModel:
     """Inject, observe ``texts``, fake-quantize.
 
     ``wrap`` may put a module around each observer point for the duration of the
     forwards (the clip search keeps samples that way). Only one batch is alive at a
     time and only the last position's logits are computed.
+
+    ``linear`` (a :class:`~ascend_fa.linear.LinearConfig`) first quantizes the
+    model's linears layer by layer on the same ``texts``
+    (:func:`calibrate_linears`), so the FA observers then see the activations the
+    quantized linears produce, as the device does.
     """
     from ascend_fa.adapters import get_adapter
 
     adapter = get_adapter(model)
+    linear_result = None
+    if linear is not None:
+        linear_result = calibrate_linears(
+            model,
+            tokenizer,
+            texts,
+            linear,
+            max_length=max_length,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
     processors = [FA3Processor(item) for item in recipe.processors]
     for proc in processors:
         proc.preprocess(model, adapter)
@@ -226,7 +249,55 @@ def calibrate_model(
         ranges[name] = entry
     for proc in processors:
         proc.postprocess(model)
-    return CalibratedModel(processors, adapter, ranges)
+    return CalibratedModel(processors, adapter, ranges, linear_result)
+
+
+def calibrate_linears(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: list[str],
+    config: Any,
+    *,
+    max_length: int = 512,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> Any:
+    """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
+    texts in padded batches for the layer-by-layer calibration, and the first
+    ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
+    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`."""
+    from ascend_fa import linear as linear_pkg
+
+    def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
+        return list(
+            calibration_batches(
+                tokenizer,
+                items,
+                max_length=length,
+                batch_size=batch_size,
+                device=device,
+            )
+        )
+
+    scan = (
+        batches(texts[: config.scan_samples], min(config.scan_tokens, max_length))
+        if config.fallback != 0
+        else []
+    )
+    layers = int(model.config.num_hidden_layers)
+    bar = progress_bar(layers, "linears", "layer") if progress else None
+    try:
+        return linear_pkg.calibrate_linears(
+            model,
+            batches(texts, max_length),
+            config,
+            scan_batches=scan,
+            progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 @contextlib.contextmanager

@@ -473,6 +473,7 @@ def calibrate_with_search(
     search: SearchConfig | None = None,
     report: dict[str, Any] | None = None,
     progress: bool = True,
+    linear: Any = None,
 ) -> CalibratedModel:
     """Same contract as :func:`~ascend_fa.calibration.pipeline.calibrate_model`, with
     the clip search run after the recipe's observers.
@@ -512,6 +513,7 @@ def calibrate_with_search(
         device=device,
         wrap=keep,
         progress=progress,
+        linear=linear,
     )
     selected = find_fa_modules(model)
     start = {
@@ -538,4 +540,4 @@ def calibrate_with_search(
                 for name, res in info.items()
             }
         )
-    return CalibratedModel(result.processors, result.adapter, ranges)
+    return CalibratedModel(result.processors, result.adapter, ranges, result.linear)

@@ -90,6 +90,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "by the attention-output error on retained calibration rows "
         "(GQA models; changes only the exported static scales)",
     )
+    parser.add_argument(
+        "--linear",
+        choices=("w8a8", "w8a8_dynamic", "none"),
+        default=None,
+        help="quantize the linears first: w8a8 (static per-tensor activations, "
+        "the default), w8a8_dynamic (per-token activations) or none (float "
+        "linears: an attention-only research artifact)",
+    )
+    parser.add_argument(
+        "--linear-fallback",
+        default="auto",
+        metavar="N|auto",
+        help="keep the N most sensitive linears float (ranked by a one-at-a-time "
+        "KL scan on calibration data); auto (default): stop at a KL budget, at "
+        "most 10%% of the linears",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         heldout=args.heldout,
         clip_search=args.clip_search,
+        linear=args.linear,
+        linear_fallback=args.linear_fallback,
     )
     for line in result.summary_lines():
         print(line)

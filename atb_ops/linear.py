@@ -1,21 +1,18 @@
 """W8A8 linear ops: activation quantizers and the quantized matmul, defined once.
 
-=========================  =====================================  =======================
-op (``ascend_fa::``)       inputs                                 output
-=========================  =====================================  =======================
-``quantize_static``        ``x`` ``[M, K]`` float, ``scale`` /     int8 ``[M, K]``
-                           ``offset`` ``[1]`` float, ``div_mode``
-``dynamic_quant``          ``x`` ``[M, K]`` float                 int8 ``[M, K]``, fp32
-                                                                  ``[M]`` per-token scale
-``quant_matmul``           ``x_q`` ``[M, K]`` int8, ``weight``    ``[M, N]`` ``out_dtype``
-                           ``[N, K]`` int8, ``deq_scale`` ``[N]``
-                           fp32 or int64, ``quant_bias`` ``[N]``
-                           int32 (optional)
-``quant_matmul_dynamic``   ``x_q`` ``[M, K]`` int8, ``weight``    ``[M, N]`` ``out_dtype``
-                           ``[N, K]`` int8, ``weight_scale``
-                           ``[N]`` fp32, ``pertoken_scale`` ``[M]``
-                           fp32, ``bias`` ``[N]`` float (optional)
-=========================  =====================================  =======================
+========================  ==========================================================
+op (``ascend_fa::``)      inputs -> output
+========================  ==========================================================
+``quantize_static``       ``x`` ``[M, K]`` float, ``scale``/``offset`` ``[1]`` float,
+                          ``div_mode`` -> int8 ``[M, K]``
+``dynamic_quant``         ``x`` ``[M, K]`` float -> int8 ``[M, K]``, fp32 ``[M]``
+``quant_matmul``          ``x_q`` ``[M, K]`` int8, ``weight`` ``[N, K]`` int8,
+                          ``deq_scale`` ``[N]`` fp32/int64, ``quant_bias`` ``[N]``
+                          int32 or None -> ``[M, N]`` ``out_dtype``
+``quant_matmul_dynamic``  ``x_q``, ``weight`` as above, ``weight_scale`` ``[N]`` fp32,
+                          ``pertoken_scale`` ``[M]`` fp32, ``bias`` ``[N]`` or None
+                          -> ``[M, N]`` ``out_dtype``
+========================  ==========================================================
 
 Numerics, each as the device documents it:
 
@@ -23,8 +20,9 @@ Numerics, each as the device documents it:
   div_mode)``: ``clamp(round_half_even(x * scale + offset), -128, 127)`` in fp32
   (``x / scale`` when ``div_mode``); the offset is added **before** rounding, as in
   op-plugin's golden for AscendQuantV2 (Ascend/op-plugin
-  ``test/test_custom_ops/test_npu_quantize.py`` @517f2e7, ``cpu_op_exec_ascend_quant_v2``:
-  ``np.round(x * scale + zero_point)`` then ``np.clip(-128, 127)``) and in
+  ``test/test_custom_ops/test_npu_quantize.py`` @517f2e7,
+  ``cpu_op_exec_ascend_quant_v2``: ``np.round(x * scale + zero_point)`` then
+  ``np.clip(-128, 127)``) and in
   msModelSlim 26.1's quantizer (``msmodelslim/ir/api/impl/int_quantization.py``,
   ``(x / scale + offset).round_()``). vllm-ascend calls it with ``div_mode=False`` and
   the reciprocal of ``input_scale`` computed in the model dtype

@@ -154,12 +154,11 @@ def calibrate(
     """
     from ascend_fa import artifact
     from ascend_fa.backends import get_backend
+    from ascend_fa.linear import export_state
     from ascend_fa.models import load_model, source_dtype
 
-    from ascend_fa.linear import export_state
-
     from .data import load_calib_texts, split_calibration
-    from .pipeline import calibrate_model
+    from .pipeline import calibrate_linears, calibrate_model
     from .recipe import load_recipe
     from .report import build_report, heldout_report
 
@@ -204,16 +203,25 @@ def calibrate(
         progress=progress,
     )
     linear_cfg = _linear_config(linear_type, dtype, linear_fallback, seed)
+    linear_result = None
+    if linear_cfg is not None:
+        # Linears first, so the FA scales are calibrated with them active.
+        linear_result = calibrate_linears(
+            net,
+            loaded.tokenizer,
+            calib,
+            linear_cfg,
+            max_length=max_length,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
     if clip_search:
         from .search import calibrate_with_search
 
-        result = calibrate_with_search(
-            net, loaded.tokenizer, calib, linear=linear_cfg, **kwargs
-        )
+        result = calibrate_with_search(net, loaded.tokenizer, calib, **kwargs)
     else:
-        result = calibrate_model(
-            net, loaded.tokenizer, calib, linear=linear_cfg, **kwargs
-        )
+        result = calibrate_model(net, loaded.tokenizer, calib, **kwargs)
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
     t0 = time.perf_counter()
@@ -237,8 +245,8 @@ def calibrate(
         if loaded.gguf_file
         else str(loaded.source_dir)
     )
-    if result.linear is not None:
-        report_extra = {"linears": result.linear.to_report()}
+    if linear_result is not None:
+        report_extra = {"linears": linear_result.to_report()}
     else:
         report_extra = {}
     report = build_report(

@@ -140,17 +140,13 @@ def tighten_max_samples(config: Any, bound: int | None) -> Any:
 
 
 class CalibratedModel(NamedTuple):
-    """What :func:`calibrate_model` returns, ``(processors, adapter, ranges,
-    linear)``; the model is left in fake-quant mode (:meth:`remove` restores its
-    FA points bit for bit; quantized linears stay in place).
-    ``ranges[attn][fa_x] = (lo [H], hi [H])`` are the calibrated ranges;
-    ``linear`` the :class:`~ascend_fa.linear.LinearResult` (None without linears).
-    """
+    """What :func:`calibrate_model` returns, ``(processors, adapter, ranges)``; the
+    model is left in fake-quant mode (:meth:`remove` restores it bit for bit).
+    ``ranges[attn][fa_x] = (lo [H], hi [H])`` are the calibrated ranges."""
 
     processors: list[FA3Processor]
     adapter: Any
     ranges: Ranges
-    linear: Any = None
 
     def export_scales(self, model: nn.Module) -> dict[str, Any]:
         """``{attn: {"fa_q": (scale [H], offset [H]), ...}}`` of every processor."""
@@ -177,34 +173,18 @@ def calibrate_model(
     device: torch.device | str = "cpu",
     wrap: PointWrapper | None = None,
     progress: bool = True,
-    linear: Any = None,
 ) -> CalibratedModel:
     """Inject, observe ``texts``, fake-quantize.
 
     ``wrap`` may put a module around each observer point for the duration of the
     forwards (the clip search keeps samples that way). Only one batch is alive at a
     time and only the last position's logits are computed.
-
-    ``linear`` (a :class:`~ascend_fa.linear.LinearConfig`) first quantizes the
-    model's linears layer by layer on the same ``texts``
-    (:func:`calibrate_linears`), so the FA observers then see the activations the
-    quantized linears produce, as the device does.
+    Call :func:`calibrate_linears` first to calibrate FA scales with quantized
+    linears active (the attention then sees what the device sees).
     """
     from ascend_fa.adapters import get_adapter
 
     adapter = get_adapter(model)
-    linear_result = None
-    if linear is not None:
-        linear_result = calibrate_linears(
-            model,
-            tokenizer,
-            texts,
-            linear,
-            max_length=max_length,
-            batch_size=batch_size,
-            device=device,
-            progress=progress,
-        )
     processors = [FA3Processor(item) for item in recipe.processors]
     for proc in processors:
         proc.preprocess(model, adapter)
@@ -249,7 +229,7 @@ def calibrate_model(
         ranges[name] = entry
     for proc in processors:
         proc.postprocess(model)
-    return CalibratedModel(processors, adapter, ranges, linear_result)
+    return CalibratedModel(processors, adapter, ranges)
 
 
 def calibrate_linears(

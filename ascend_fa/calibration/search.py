@@ -473,7 +473,6 @@ def calibrate_with_search(
     search: SearchConfig | None = None,
     report: dict[str, Any] | None = None,
     progress: bool = True,
-    linear: Any = None,
 ) -> CalibratedModel:
     """Same contract as :func:`~ascend_fa.calibration.pipeline.calibrate_model`, with
     the clip search run after the recipe's observers.
@@ -513,7 +512,6 @@ def calibrate_with_search(
         device=device,
         wrap=keep,
         progress=progress,
-        linear=linear,
     )
     selected = find_fa_modules(model)
     start = {
@@ -540,4 +538,4 @@ def calibrate_with_search(
                 for name, res in info.items()
             }
         )
-    return CalibratedModel(result.processors, result.adapter, ranges, result.linear)
+    return CalibratedModel(result.processors, result.adapter, ranges)

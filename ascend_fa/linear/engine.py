@@ -66,7 +66,8 @@ class LinearConfig:
     ``search_rows`` rows sampled per group; ``fallback`` a number of linears to keep
     float, ``"auto"`` (stop at ``budget`` mean KL on the scan data), or 0;
     ``max_float_fraction`` caps the automatic mode; ``scan_samples`` /
-    ``scan_tokens`` size the KL scan data.
+    ``scan_tokens`` size the KL scan data; ``scan_candidates`` groups (those with
+    the largest layer-local output error; 0 = all) are KL-scanned.
     """
 
     quant_type: str = "W8A8"
@@ -79,12 +80,14 @@ class LinearConfig:
     max_float_fraction: float = 0.10
     scan_samples: int = 4
     scan_tokens: int = 256
+    scan_candidates: int = 24
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
             raise InputError(
-                f"linear quant type must be W8A8 or W8A8_DYNAMIC, got {self.quant_type!r}"
+                "linear quant type must be W8A8 or W8A8_DYNAMIC, got "
+                f"{self.quant_type!r}"
             )
         if self.dtype not in ARTIFACT_DTYPES:
             raise InputError(
@@ -311,7 +314,12 @@ def quantize_linears(
             )
             stats[group.name] = st
 
-            def hook(_m: nn.Module, args: tuple, st: InputStats = st) -> None:
+            def hook(
+                _m: nn.Module,
+                args: tuple,
+                st: InputStats = st,
+                current: dict[str, torch.Tensor] = current,
+            ) -> None:
                 st.update(_real_rows(args[0], current["mask"]))
 
             handles.append(first.register_forward_pre_hook(hook))

@@ -1,7 +1,9 @@
 """Keep the most sensitive linear groups float, ranked by a measured KL scan.
 
-The scan data are a few calibration samples. The reference is the float model's
-next-token distribution on them (taken before any linear is quantized). With every
+The scan data are a few calibration samples; the groups scanned are the
+``scan_candidates`` with the largest layer-local output error (all when 0). The
+reference is the float model's next-token distribution on the scan data (taken
+before any linear is quantized). With every
 group quantized, each group in turn is put back to float and the mean per-token
 ``KL(float || quantized)`` is measured; the group's **gain** is how much KL that
 removes. Groups are kept float in order of gain:
@@ -77,6 +79,11 @@ def apply_fallback(
     live = [r for r in result.records if r.quant_type != "FLOAT"]
     if config.fallback == 0 or not live:
         return result
+    if config.scan_candidates:
+        # Preselect by the layer-local output error (cheap, already measured).
+        live = sorted(
+            live, key=lambda r: -(r.decision.rel_error if r.decision else 0.0)
+        )[: config.scan_candidates]
     base = mean_kl(model, batches, reference)
     for record in live:
         _to_float(model, record)

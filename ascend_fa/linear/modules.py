@@ -171,9 +171,10 @@ class QuantizedLinear(nn.Module):
         return x.reshape(-1, self.in_features)
 
     def extra_repr(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"quant_type={self.quant_type}, dtype={str(self.dtype).removeprefix('torch.')}"
+            f"quant_type={self.quant_type}, dtype={dtype}"
         )
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .engine import (
     LinearConfig,
     LinearResult,
     quantize_linears,
+    swap_group,
 )
 from .fallback import apply_fallback, mean_kl, reference_logits
 from .io import (
@@ -64,6 +65,7 @@ __all__ = [
     "quantized_modules",
     "read_artifact_tensors",
     "reference_logits",
+    "swap_group",
 ]
 
 

@@ -295,6 +295,15 @@ def quantize_linears(
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
+    done = [
+        n
+        for p in plans
+        for g in p.groups
+        for n in g.linears
+        if isinstance(model.get_submodule(n), QuantizedLinear)
+    ]
+    if done:
+        raise InputError(f"{done[0]} is already quantized; start from the float model")
     layers = _decoder_layers(model)
     batches = list(batches)
     if not batches:

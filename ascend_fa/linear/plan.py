@@ -48,7 +48,7 @@ from torch import nn
 
 from ascend_fa.errors import UnsupportedError
 
-from .modules import check_linear_shape
+from .modules import QuantizedLinear, check_linear_shape
 
 __all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
 
@@ -96,9 +96,9 @@ def _has(model: nn.Module, name: str) -> bool:
     return True
 
 
-def _linear(model: nn.Module, name: str) -> nn.Linear:
+def _linear(model: nn.Module, name: str) -> nn.Module:
     mod = model.get_submodule(name)
-    if not isinstance(mod, nn.Linear):
+    if not isinstance(mod, nn.Linear | QuantizedLinear):
         raise UnsupportedError(
             f"{name}: expected an nn.Linear, got {type(mod).__name__}"
         )

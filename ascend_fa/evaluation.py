@@ -51,6 +51,7 @@ from ascend_fa.atb_ops import dynamic_fake_quant
 from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
 from ascend_fa.calibration.pipeline import injected_points, progress_bar
 from ascend_fa.calibration.placeholder import FA3QuantPlaceHolder
+from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
 
 __all__ = [
@@ -487,25 +488,6 @@ class EvalReport:
         }
 
 
-def _artifact_model(net: nn.Module, artifact: str | Path) -> nn.Module | None:
-    """A copy of ``net`` carrying the artifact's weights when the artifact has
-    quantized linears (None otherwise: its weights are the source's)."""
-    import copy
-
-    from ascend_fa.linear import (
-        load_quantized_model,
-        quantized_linear_names,
-        read_artifact_tensors,
-    )
-
-    tensors = read_artifact_tensors(artifact)
-    if not quantized_linear_names(tensors):
-        return None
-    quantized = copy.deepcopy(net)
-    load_quantized_model(quantized, tensors)
-    return quantized
-
-
 def run_eval(
     model: str | Path | None = None,
     *,
@@ -564,7 +546,7 @@ def run_eval(
     models: dict[str, Any] = {}
     if artifact_scales is not None:
         specs[f"artifact {Path(artifact).name}"] = artifact_scales
-        quantized = _artifact_model(net, artifact)
+        quantized = artifact_model(net, artifact)
         if quantized is not None:
             # The artifact's quantized linears (and its smoothed float weights) run
             # through the integer path; the float reference stays the source model.

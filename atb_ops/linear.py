@@ -37,9 +37,9 @@ Numerics, each as the device documents it:
 * ``quant_matmul`` is ``torch_npu.npu_quant_matmul(x_q, weight.t(), deq_scale,
   bias=quant_bias, output_dtype=...)``: ``(x_q @ weight^T + quant_bias) * deq_scale``
   (op-plugin ``torch_npu-npu_quant_matmul.md``: "bias 为 int32: out = (x1 @ x2 + bias) *
-  scale"). The product is accumulated exactly in integers (int32 on the device; here a
-  float64 GEMM of small integers, which is exact because every partial sum is an
-  integer below 2**53), the int32 sum is converted to fp32 (round to nearest even),
+  scale"). The product is accumulated exactly in integers (int32 on the device; here fp32
+  GEMMs over K chunks of 1024, each partial sum an integer of magnitude <= 2**24
+  and so exact, added in float64), the int32 sum is converted to fp32 (round to nearest even),
   multiplied by the fp32 scale and rounded once to ``out_dtype``. An int64
   ``deq_scale`` (fp16 models, msModelSlim's ``deqscale2int64``) holds the fp32 bit
   pattern in its low 32 bits; the device keeps the top 19 bits of it (op-plugin
@@ -254,10 +254,24 @@ def dynamic_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- matmul
 
 
+#: K per fp32 GEMM chunk: |product| <= 128 * 128 = 2**14, so every partial sum of
+#: a 1024-wide chunk is an integer of magnitude <= 2**24, exact in fp32.
+_EXACT_FP32_K = 1024
+
+
 def _int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x_q @ weight^T`` of int8 operands, exact: a float64 GEMM of integers whose
-    partial sums stay integers below 2**53 (|product| <= 2**14, so K < 2**39)."""
-    return x_q.double() @ weight.double().t()
+    """``x_q @ weight^T`` of int8 operands, exact, as float64 ``[M, N]``: fp32 GEMMs
+    over K chunks whose partial sums are exact integers (see ``_EXACT_FP32_K``),
+    added in float64 (exact below 2**53). Any summation order gives the same
+    integer, so the result is the int32 accumulator of the device."""
+    k = x_q.shape[1]
+    acc = None
+    for k0 in range(0, max(k, 1), _EXACT_FP32_K):
+        part = x_q[:, k0 : k0 + _EXACT_FP32_K].float()
+        part = part @ weight[:, k0 : k0 + _EXACT_FP32_K].float().t()
+        acc = part.double() if acc is None else acc + part.double()
+    assert acc is not None
+    return acc
 
 
 @torch.library.custom_op("ascend_fa::quant_matmul", mutates_args=())

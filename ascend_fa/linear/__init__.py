@@ -34,6 +34,7 @@ from .engine import (
 )
 from .fallback import apply_fallback, mean_kl, reference_logits
 from .io import (
+    artifact_model,
     export_state,
     load_quantized_model,
     quantized_linear_names,
@@ -55,6 +56,7 @@ __all__ = [
     "W8A8DynamicLinear",
     "W8A8Linear",
     "apply_fallback",
+    "artifact_model",
     "calibrate_linears",
     "export_state",
     "linear_plan",

@@ -22,6 +22,7 @@ from ascend_fa.errors import FileFormatError, NotFoundError
 from .modules import QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 
 __all__ = [
+    "artifact_model",
     "export_state",
     "load_quantized_model",
     "quantized_linear_names",
@@ -143,3 +144,17 @@ def load_quantized_model(
     for name, module in placed.items():
         model.set_submodule(name, module)
     return placed
+
+
+def artifact_model(model: nn.Module, directory: str | Path) -> nn.Module | None:
+    """A deep copy of ``model`` carrying the artifact's weights when the artifact
+    has quantized linears (None otherwise: its weights are the source's). ``eval``
+    and ``emulate`` run it beside the float ``model``."""
+    import copy
+
+    tensors = read_artifact_tensors(directory)
+    if not quantized_linear_names(tensors):
+        return None
+    quantized = copy.deepcopy(model)
+    load_quantized_model(quantized, tensors)
+    return quantized

@@ -199,6 +199,11 @@ def test_calibrate_cli_w8a8_artifact_and_eval(tmp_path, capsys):
     assert main([*args[:-1], str(bad), "--linear-fallback", "many"]) == 2
     assert "--linear-fallback must be a number" in capsys.readouterr().err
     assert not bad.exists()
+    merged = [*args[:-2], "--merge-into", str(out), "--linear", "w8a8"]
+    assert main(merged) == 2
+    assert "--merge-into keeps the export's own quantized linears" in (
+        capsys.readouterr().err
+    )
 
 
 def _text(tmp_path):

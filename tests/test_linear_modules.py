@@ -153,3 +153,18 @@ def test_from_tensors_round_trip_is_bit_equal():
         d = W8A8DynamicLinear.from_float(w, b, dtype=dtype)
         parts = {k.removeprefix("p."): v for k, v in d.export_tensors("p").items()}
         assert torch.equal(W8A8DynamicLinear.from_tensors("p", parts, dtype)(x), d(x))
+
+
+def test_smooth_factors_zero_channels_and_tied_heads():
+    from ascend_fa.linear.search import smooth_factors
+
+    a = torch.tensor([0.0, 2.0, 8.0, 1.0])
+    w = torch.tensor([1.0, 0.0, 2.0, 1.0])
+    s = smooth_factors(a, w, 0.5)
+    assert s[0] == 1 and s[1] == 1  # an all-zero side keeps 1 (safe value)
+    assert float(s[2]) == pytest.approx(2.0)
+    # o_proj: 2 KV heads x 2 query heads x D=2 -> one factor per KV-head channel
+    a = torch.arange(1.0, 9.0)
+    s = smooth_factors(a, torch.ones(8), 1.0, tie=2, head_dim=2)
+    assert s.view(2, 2, 2)[:, 0].equal(s.view(2, 2, 2)[:, 1])
+    assert s.tolist() == [3.0, 4.0, 3.0, 4.0, 7.0, 8.0, 7.0, 8.0]

@@ -151,6 +151,8 @@ def calibrate(
     ``"none"``: quantize the linears first (:mod:`ascend_fa.linear`), so the FA
     scales are calibrated with the quantized linears active; ``linear_fallback``
     keeps that many linears float (or ``"auto"``: up to 10 %, by a KL budget).
+    With ``merge_into`` the export's linears are kept (``linear`` must be unset
+    or ``"none"``).
     """
     from ascend_fa import artifact
     from ascend_fa.backends import get_backend
@@ -180,7 +182,11 @@ def calibrate(
                 "replace it",
                 path=out,
             )
-    linear_type = _linear_type(linear)
+    if merge_into is not None and linear not in (None, "none"):
+        raise InputError(
+            "--merge-into keeps the export's own quantized linears; drop --linear"
+        )
+    linear_type = _linear_type("none" if merge_into is not None else linear)
     linear_fallback = _fallback(linear_fallback)
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)

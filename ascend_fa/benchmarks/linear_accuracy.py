@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
 from typing import Any
 
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             progress=False,
         )
         secs = time.perf_counter() - t
+        print(f"calibrated {name}: {secs:.1f} s", file=sys.stderr, flush=True)
         specs[name] = res.export_scales(m)
         res.remove(m)
         models[name] = m

@@ -160,6 +160,7 @@ def test_export_and_load_back_bit_equal(tmp_path, dtype):
     assert torch.equal(_logits(fresh, tok), want)
 
 
+@pytest.mark.slow
 def test_calibrate_cli_w8a8_artifact_and_eval(tmp_path, capsys):
     src = save_tiny(tmp_path / "llama", "llama")
     out = tmp_path / "art"

@@ -94,7 +94,7 @@ def apply_fallback(
         cap = int(config.max_float_fraction * result.num_linears)
     else:
         cap = int(config.fallback)
-    floats = result.num_float
+    floats = start = result.num_float
     kl = base
     for record in ranked:
         if config.fallback == "auto" and kl <= config.budget:
@@ -108,6 +108,8 @@ def apply_fallback(
         floats += n
         if config.fallback == "auto":
             kl = mean_kl(model, batches, reference)
-    result.scan_kl = mean_kl(model, batches, reference) if floats else base
+    if config.fallback != "auto" and floats > start:
+        kl = mean_kl(model, batches, reference)
+    result.scan_kl = kl
     result.seconds["fallback"] = time.perf_counter() - t0
     return result

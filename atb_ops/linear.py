@@ -37,10 +37,11 @@ Numerics, each as the device documents it:
 * ``quant_matmul`` is ``torch_npu.npu_quant_matmul(x_q, weight.t(), deq_scale,
   bias=quant_bias, output_dtype=...)``: ``(x_q @ weight^T + quant_bias) * deq_scale``
   (op-plugin ``torch_npu-npu_quant_matmul.md``: "bias 为 int32: out = (x1 @ x2 + bias) *
-  scale"). The product is accumulated exactly in integers (int32 on the device; here fp32
-  GEMMs over K chunks of 1024, each partial sum an integer of magnitude <= 2**24
-  and so exact, added in float64), the int32 sum is converted to fp32 (round to nearest even),
-  multiplied by the fp32 scale and rounded once to ``out_dtype``. An int64
+  scale"). The product is accumulated exactly in integers (int32 on the device;
+  here fp32 GEMMs over K chunks of 1024, each partial sum an integer of magnitude
+  <= 2**24 and so exact, added in float64), the int32 sum is converted to fp32
+  (round to nearest even), multiplied by the fp32 scale and rounded once to
+  ``out_dtype``. An int64
   ``deq_scale`` (fp16 models, msModelSlim's ``deqscale2int64``) holds the fp32 bit
   pattern in its low 32 bits; the device keeps the top 19 bits of it (op-plugin
   ``torch_npu-npu_trans_quant_param.md``: "scale 按bit位取高19位截断"), so it is

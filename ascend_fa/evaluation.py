@@ -39,6 +39,7 @@ in one pass for the comparison; :func:`run_eval` is the ``ascend-fa eval`` verb.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Mapping
@@ -56,7 +57,8 @@ from ascend_fa.atb_ops import dynamic_fake_quant
 from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
 from ascend_fa.calibration.pipeline import injected_points, progress_bar
 from ascend_fa.calibration.placeholder import FA3QuantPlaceHolder
-from ascend_fa.metrics import OutputError, token_nll
+from ascend_fa.linear import artifact_model
+from ascend_fa.metrics import OutputError, token_kl, token_nll
 
 __all__ = [
     "EVAL_SETS",
@@ -175,6 +177,10 @@ class EvalResult:
     perplexity: float
     layer_cosine: dict[str, float] = field(default_factory=dict)
     layer_rel_l1: dict[str, float] = field(default_factory=dict)
+    #: mean per-token KL(float || quantized) of the next-token distributions
+    kl: float = float("nan")
+    #: fraction of positions whose top-1 token equals the float model's
+    top1: float = float("nan")
 
     @property
     def ppl_delta_pct(self) -> float:
@@ -201,6 +207,8 @@ class EvalResult:
             "perplexity_float": self.perplexity_float,
             "perplexity": self.perplexity,
             "perplexity_delta_pct": self.ppl_delta_pct,
+            "kl": self.kl,
+            "top1": self.top1,
             "mean_attention_output_cosine": self.mean_cosine,
             "min_attention_output_cosine": self.min_cosine,
             "mean_attention_output_rel_l1": self.mean_rel_l1,
@@ -328,6 +336,7 @@ def evaluate(
     *,
     batch_size: int = 1,
     progress: bool = False,
+    models: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, EvalResult]:
     """Float vs each of ``specs`` on ``windows`` (token ids ``[S]`` each).
 
@@ -335,6 +344,11 @@ def evaluate(
     already has them gets its own ``fa_*`` modules back). Per batch: one float
     forward, then one forward per spec. Returns ``{spec name: EvalResult}``.
     Static scale maps are checked against the model first (:func:`check_scales`).
+
+    ``models`` maps a spec name to the model that spec runs on (e.g. a copy with
+    an artifact's quantized linears, :mod:`ascend_fa.linear`); other specs run on
+    ``model``, which always gives the float reference. Every spec also gets the
+    mean token KL against the float model and the top-1 agreement.
     """
     if not windows:
         raise ValueError("evaluate: no evaluation windows")
@@ -347,15 +361,23 @@ def evaluate(
                 f"got {spec!r}"
             )
     device = next(model.parameters()).device
-    with injected_points(model) as (_adapter, mods):
-        for spec in specs.values():
+    models = dict(models or {})
+    runs = {key: models.get(key, model) for key in specs}
+    distinct = {id(m): m for m in (model, *runs.values())}
+    with contextlib.ExitStack() as stack:
+        points = {
+            i: stack.enter_context(injected_points(m))[1] for i, m in distinct.items()
+        }
+        mods = points[id(model)]
+        for key, spec in specs.items():
             if callable(getattr(spec, "check", None)):
-                spec.check(mods)
+                spec.check(points[id(runs[key])])
             elif not isinstance(spec, str):
-                check_scales(mods, spec)
+                check_scales(points[id(runs[key])], spec)
         names = list(mods)
         errs = {k: {n: OutputError() for n in names} for k in specs}
         nll = dict.fromkeys(specs, 0.0)
+        kls = {k: [0.0, 0, 0] for k in specs}
         nll_float = 0.0
         count = 0
         captured: dict[str, torch.Tensor] = {}
@@ -367,7 +389,11 @@ def evaluate(
 
             return fn
 
-        handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+        handles = [
+            m.register_forward_hook(hook(n))
+            for pts in points.values()
+            for n, m in pts.items()
+        ]
         order = sorted(range(len(windows)), key=lambda i: -windows[i].numel())
         bar = (
             progress_bar(len(windows) * (1 + len(specs)), "evaluate", "forward")
@@ -389,23 +415,28 @@ def evaluate(
                 i += len(group)
                 ids = torch.stack([windows[j] for j in group]).to(device)
                 with swapped_points(mods, _point_for(None, "float")):
-                    out = model(input_ids=ids, use_cache=False)
-                s, c = token_nll(out.logits, ids)
+                    ref_logits = model(input_ids=ids, use_cache=False).logits
+                s, c = token_nll(ref_logits, ids)
                 nll_float += s
                 count += c
-                del out
                 ref = dict(captured)
                 if bar is not None:
                     bar.update(len(group))
                 for key, spec in specs.items():
-                    with swapped_points(mods, _point_for(spec, key)):
-                        out = model(input_ids=ids, use_cache=False)
+                    with swapped_points(points[id(runs[key])], _point_for(spec, key)):
+                        out = runs[key](input_ids=ids, use_cache=False)
                     nll[key] += token_nll(out.logits, ids)[0]
+                    # KL/top-1 over the positions that predict a token (as NLL).
+                    kl, same, num = token_kl(ref_logits[:, :-1], out.logits[:, :-1])
+                    kls[key][0] += kl
+                    kls[key][1] += same
+                    kls[key][2] += num
                     del out
                     for name in names:
                         errs[key][name].add(ref[name], captured[name])
                     if bar is not None:
                         bar.update(len(group))
+                del ref_logits
         finally:
             for h in handles:
                 h.remove()
@@ -422,8 +453,16 @@ def evaluate(
             # Two all-zero outputs are identical: cosine 1, no relative error.
             cos[name] = err.cosine(empty=float(aa == bb))
             rel[name] = err.rel_l1(empty=float(diff != 0))
+        kl_sum, same, num = kls[key]
         results[key] = EvalResult(
-            key, count, ppl_float, math.exp(nll[key] / count), cos, rel
+            key,
+            count,
+            ppl_float,
+            math.exp(nll[key] / count),
+            cos,
+            rel,
+            kl=kl_sum / num if num else float("nan"),
+            top1=same / num if num else float("nan"),
         )
     return results
 
@@ -450,17 +489,26 @@ class EvalReport:
         methods = list(next(iter(self.results.values())))
         headers = ["method"]
         for d in domains:
-            headers += [f"{d} ppl (Δ%)", f"{d} cos mean", f"{d} cos min", f"{d} rel-L1"]
+            headers += [
+                f"{d} ppl (Δ%)",
+                f"{d} KL",
+                f"{d} top-1",
+                f"{d} cos mean",
+                f"{d} cos min",
+                f"{d} rel-L1",
+            ]
         rows: list[list[str]] = [["float"]]
         for d in domains:
             ppl = self.results[d][methods[0]].perplexity_float
-            rows[0] += [f"{ppl:.4f}", "1", "1", "0"]
+            rows[0] += [f"{ppl:.4f}", "0", "1", "1", "1", "0"]
         for m in methods:
             row = [m]
             for d in domains:
                 r = self.results[d][m]
                 row += [
                     f"{r.perplexity:.4f} ({r.ppl_delta_pct:+.3f}%)",
+                    fmt(r.kl, ".5f"),
+                    fmt(r.top1, ".4f"),
                     fmt(r.mean_cosine, ".5f"),
                     fmt(r.min_cosine, ".5f"),
                     fmt(r.mean_rel_l1, ".5f"),
@@ -543,8 +591,14 @@ def run_eval(
     }
     specs: dict[str, Any] = {}
     timings: dict[str, float] = {}
+    models: dict[str, Any] = {}
     if artifact_scales is not None:
         specs[f"artifact {Path(artifact).name}"] = artifact_scales
+        quantized = artifact_model(net, artifact)
+        if quantized is not None:
+            # The artifact's quantized linears (and its smoothed float weights) run
+            # through the integer path; the float reference stays the source model.
+            models[f"artifact {Path(artifact).name}"] = quantized
     if compare_methods:
         calib = calibration_split(load_calib_texts(calib_data), num_samples)
         head_dim = int(
@@ -567,10 +621,12 @@ def run_eval(
         timings["calibrate_all_methods_s"] = time.perf_counter() - t0
     elif artifact_scales is not None:
         specs["dynamic per-token-per-head"] = "dynamic"
+        if models:
+            models["dynamic per-token-per-head"] = next(iter(models.values()))
     results = {}
     for name, win in windows.items():
         t0 = time.perf_counter()
-        results[name] = evaluate(net, win, specs, progress=progress)
+        results[name] = evaluate(net, win, specs, progress=progress, models=models)
         timings[f"evaluate_{name}_s"] = time.perf_counter() - t0
     source = (
         str(loaded.source_dir / loaded.gguf_file)

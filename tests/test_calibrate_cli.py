@@ -54,6 +54,8 @@ def calibrate(model_dir, out, *extra, target="vllm-ascend"):
             "3",
             "--heldout",
             "2",
+            "--linear",
+            "none",
             "--output",
             str(out),
             *extra,

@@ -41,6 +41,7 @@ from .format import (
 )
 from .inspect import inspect_artifact, natural_key, scale_findings
 from .merge import check_merge_export
+from .output import atomic_output_dir, check_output_dir, is_own_artifact
 from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
 from .targets import (
     KVScaleMap,
@@ -106,6 +107,8 @@ __all__ = [
     "WEIGHTS_NAME",
     "ScaleMap",
     "atomic_output_dir",
+    "check_output_dir",
+    "is_own_artifact",
     "build_description",
     "checkpoint_state_dict",
     "disk_scale",

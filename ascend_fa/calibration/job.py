@@ -75,12 +75,47 @@ class CalibrationResult:
                 f"{s['mean_attention_output_cosine']:.5f}, min "
                 f"{s['min_attention_output_cosine']:.5f}"
             )
+        lin = self.report.get("linears")
+        if lin:
+            counts = ", ".join(f"{n} {k}" for k, n in sorted(lin["counts"].items()))
+            kl = lin.get("scan_kl")
+            tail = f"; scan KL {kl:.5f}" if kl is not None else ""
+            lines.append(
+                f"linears: {counts} (fallback {lin['fallback']}{tail}; "
+                f"{lin['seconds'].get('quantize', 0):.1f} s)"
+            )
         lines.append(f"wrote {self.output}")
         return lines
 
 
 #: ``--linear`` value -> the description's ``model_quant_type``.
 _LINEAR_TYPES = {"none": "FLOAT", "w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}
+
+
+def _default_linear(target: str, mla: bool | None) -> str:
+    """The linears a target deploys by default: MindIE loads attention quantization
+    only beside quantized linears (W8A8); vllm-ascend's FAKQuant path reads the
+    quantized MLA linears (W8A8_DYNAMIC), its GQA C8 path keeps them float; vLLM's
+    KV-cache scheme needs none."""
+    if target == "mindie":
+        return "w8a8"
+    if target == "vllm-ascend" and mla:
+        return "w8a8_dynamic"
+    return "none"
+
+
+def _fallback(value: int | str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise InputError(
+            f"--linear-fallback must be a number >= 0 or 'auto', got {value!r}"
+        )
+    return n
 
 
 def _source_config(model: str | Path | None) -> dict[str, Any] | None:
@@ -134,7 +169,7 @@ def _check_locations(
     not the model or the merge target, nor inside or around them; it is not a
     symlink, and replaces only what ``overwrite``/``force`` allow (the merge
     target's contents are checked by the caller (``artifact.check_merge_export``)."""
-    from ascend_fa.artifact.writer import check_output_dir
+    from ascend_fa.artifact.output import check_output_dir
     from ascend_fa.safe_paths import check_disjoint
 
     if output is not None:
@@ -170,15 +205,19 @@ def calibrate(
     dtype: str | None = None,
     kv_strategy: str = "tensor",
     linear: str | None = None,
+    linear_fallback: int | str = "auto",
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
 
     Arguments mirror ``ascend-fa calibrate``'s flags. Raises the typed errors of
     :mod:`ascend_fa.errors` for bad input, before any model is loaded.
-    ``linear`` is the quantized-linear type the model will carry (``"w8a8"``,
-    ``"w8a8_dynamic"``; None/``"none"``: float linears): it decides whether
-    ``target`` can load the result.
+    ``linear``: ``"w8a8"``, ``"w8a8_dynamic"`` or ``"none"`` (None: the target's
+    default — W8A8 for mindie, W8A8_DYNAMIC for MLA on vllm-ascend, float
+    otherwise): the linears are quantized first (:mod:`ascend_fa.linear`), so the
+    FA / KV scales are calibrated with the quantized linears active;
+    ``linear_fallback`` keeps that many linears float (``"auto"``: by an error
+    budget). With ``merge_into`` the export's own linears are kept.
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -207,9 +246,18 @@ def calibrate(
         )
     src_config = _source_config(model)
     mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
-    linear_type = _LINEAR_TYPES.get(str(linear or "none").lower())
+    if merge_into is not None and linear not in (None, "none"):
+        raise InputError(
+            "--merge-into keeps the export's own quantized linears; drop --linear"
+        )
+    if merge_into is not None:
+        linear = "none"
+    elif linear is None:
+        linear = _default_linear(target, mla)
+    linear_type = _LINEAR_TYPES.get(str(linear).lower())
     if linear_type is None:
         raise InputError(f"--linear {linear!r}; choose w8a8, w8a8_dynamic or none")
+    linear_fallback = _fallback(linear_fallback)
     artifact.check_target(
         target,
         mla=mla,
@@ -245,6 +293,24 @@ def calibrate(
     )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, net.config.to_dict())
+    linear_result = None
+    if linear_type != "FLOAT":
+        from ascend_fa.linear import LinearConfig
+
+        from .pipeline import calibrate_linears
+
+        # Linears first, so the FA / KV scales are calibrated with them active;
+        # scales are made representable in the artifact dtype.
+        linear_result = calibrate_linears(
+            net,
+            loaded.tokenizer,
+            calib,
+            LinearConfig(linear_type, art_dtype, fallback=linear_fallback, seed=seed),
+            max_length=max_length,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
     kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
     kv = None
     if kv_mode is not None:
@@ -325,6 +391,11 @@ def calibrate(
                 }
                 if kv_scales
                 else None
+            ),
+            **(
+                {"linears": linear_result.to_report()}
+                if linear_result is not None
+                else {}
             ),
             "recipe": [p.config.model_dump() for p in result.processors],
             "calibration": {

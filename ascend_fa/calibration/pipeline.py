@@ -23,6 +23,7 @@ __all__ = [
     "CalibratedModel",
     "PointWrapper",
     "Ranges",
+    "calibrate_linears",
     "calibrate_model",
     "calibration_batches",
     "float_mode",
@@ -178,6 +179,8 @@ def calibrate_model(
     ``wrap`` may put a module around each observer point for the duration of the
     forwards (the clip search keeps samples that way). Only one batch is alive at a
     time and only the last position's logits are computed.
+    Call :func:`calibrate_linears` first to calibrate FA scales with quantized
+    linears active (the attention then sees what the device sees).
     """
     from ascend_fa.adapters import get_adapter
 
@@ -227,6 +230,54 @@ def calibrate_model(
     for proc in processors:
         proc.postprocess(model)
     return CalibratedModel(processors, adapter, ranges)
+
+
+def calibrate_linears(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: list[str],
+    config: Any,
+    *,
+    max_length: int = 512,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> Any:
+    """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
+    texts in padded batches for the layer-by-layer calibration, and the first
+    ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
+    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`."""
+    from ascend_fa import linear as linear_pkg
+
+    def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
+        return list(
+            calibration_batches(
+                tokenizer,
+                items,
+                max_length=length,
+                batch_size=batch_size,
+                device=device,
+            )
+        )
+
+    scan = (
+        batches(texts[: config.scan_samples], min(config.scan_tokens, max_length))
+        if config.fallback != 0
+        else []
+    )
+    layers = int(model.config.num_hidden_layers)
+    bar = progress_bar(layers, "linears", "layer") if progress else None
+    try:
+        return linear_pkg.calibrate_linears(
+            model,
+            batches(texts, max_length),
+            config,
+            scan_batches=scan,
+            progress=bar,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 @contextlib.contextmanager

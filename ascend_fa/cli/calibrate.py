@@ -126,6 +126,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load a GGUF model directly instead of through the model cache",
     )
+    parser.add_argument(
+        "--linear",
+        choices=("w8a8", "w8a8_dynamic", "none"),
+        default=None,
+        help="quantize the linears first: w8a8 (static per-tensor activations), "
+        "w8a8_dynamic (per-token activations) or none (float linears: an "
+        "attention-only research artifact); default: what the target deploys "
+        "(mindie w8a8, vllm-ascend MLA w8a8_dynamic, otherwise none)",
+    )
+    parser.add_argument(
+        "--linear-fallback",
+        default="auto",
+        metavar="N|auto",
+        help="keep the N most sensitive linears float (ranked by a one-at-a-time "
+        "KL scan on calibration data); auto (default): stop at a KL budget, at "
+        "most 10%% of the linears",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
         picture_report=not args.no_report,
         cache=not args.no_cache,
         progress=not getattr(args, "quiet", False),
+        linear=args.linear,
+        linear_fallback=args.linear_fallback,
     )
     for line in result.summary_lines():
         print(line)

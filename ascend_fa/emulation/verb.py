@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ascend_fa.errors import InputError, NotFoundError
+from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import token_kl, token_nll
 
 from .runtime import enable_paged_int8_attention
@@ -257,11 +258,17 @@ def run_emulate(
         }
     )
     source = "artifact" if artifact else "dynamic"
+    # An artifact with quantized linears runs them (and its smoothed weights)
+    # through the integer path in the quantized modes; float-paged stays the plain
+    # model's plumbing check.
+    qnet = artifact_model(net, artifact) if artifact is not None else None
+    if qnet is not None:
+        source = "artifact + W8A8 linears"
     for mode in ["float", *modes]:
         t0 = time.perf_counter()
         scales = artifact_scales if mode != "float" else None
         with enable_paged_int8_attention(
-            net,
+            net if mode == "float" or qnet is None else qnet,
             mode=mode,
             scales=scales,
             block_size=block_size,

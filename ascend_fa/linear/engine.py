@@ -1,0 +1,383 @@
+"""Layer-sequential W8A8 calibration: one decoder layer at a time, all samples kept.
+
+For decoder layer ``i`` (its inputs are the outputs of layers ``0..i-1`` with their
+quantized linears active, so each layer is calibrated on what the device feeds it):
+
+1. **observe** — run the layer on every batch with its linears float; a pre-hook on
+   the first linear of each group records that group's input
+   (:class:`~.search.InputStats`, real tokens only: padding is excluded through the
+   attention mask);
+2. **decide** — per group, last group first (a group's smoothing may fold into an
+   earlier group's weights: ``down`` into ``up_proj``, ``o`` into ``v_proj``), choose
+   smoothing and range (:func:`~.search.decide_group`), fold the smoothing into the
+   float weights, and put the quantized modules in place (``set_submodule``);
+3. **propagate** — run the layer again on every batch: its outputs are the next
+   layer's inputs.
+
+Each decision reads only the layer's own statistics and weights, so a streaming
+calibration can run the same three steps with one layer in memory. The float
+modules (after smoothing) are kept in the records so :mod:`.fallback` can put a
+group back to float.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ascend_fa.errors import InputError, UnsupportedError
+
+from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+from .plan import LinearGroup, linear_plan
+from .search import GroupDecision, InputStats, decide_group
+
+__all__ = [
+    "DEFAULT_ALPHAS",
+    "DEFAULT_CLIPS",
+    "GroupRecord",
+    "LINEAR_MODES",
+    "LinearConfig",
+    "LinearResult",
+    "quantize_linears",
+    "swap_group",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``--linear`` values -> description quant type (None: linears stay float).
+LINEAR_MODES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "none": None}
+DEFAULT_ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+DEFAULT_CLIPS: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """How linears are quantized.
+
+    ``quant_type`` ``"W8A8"`` / ``"W8A8_DYNAMIC"``; ``dtype`` the model dtype of the
+    artifact (scales are representable in it); ``alphas`` / ``clips`` the search
+    grids (``(None,)`` / ``(1.0,)``: round-to-nearest with min/max ranges);
+    ``search_rows`` rows sampled per group; ``fallback`` a number of linears to keep
+    float, ``"auto"`` (stop at ``budget`` mean KL on the scan data), or 0;
+    ``max_float_fraction`` caps the automatic mode; ``scan_samples`` /
+    ``scan_tokens`` size the KL scan data; ``scan_candidates`` groups (those with
+    the largest layer-local output error; 0 = all) are KL-scanned.
+    """
+
+    quant_type: str = "W8A8"
+    dtype: torch.dtype = torch.bfloat16
+    alphas: tuple[float | None, ...] = DEFAULT_ALPHAS
+    clips: tuple[float, ...] = DEFAULT_CLIPS
+    search_rows: int = 256
+    fallback: int | str = "auto"
+    budget: float = 0.01
+    max_float_fraction: float = 0.10
+    scan_samples: int = 4
+    scan_tokens: int = 256
+    scan_candidates: int = 24
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
+            raise InputError(
+                "linear quant type must be W8A8 or W8A8_DYNAMIC, got "
+                f"{self.quant_type!r}"
+            )
+        if self.dtype not in ARTIFACT_DTYPES:
+            raise InputError(
+                f"linear dtype must be bf16, fp16 or fp32, got {self.dtype}"
+            )
+        fb = self.fallback
+        if not (
+            fb == "auto"
+            or (isinstance(fb, int) and not isinstance(fb, bool) and fb >= 0)
+        ):
+            raise InputError(
+                f"--linear-fallback must be a number >= 0 or 'auto', got {fb!r}"
+            )
+        if not self.alphas or not self.clips:
+            raise InputError("linear search grids must not be empty")
+
+    @classmethod
+    def round_to_nearest(cls, quant_type: str, dtype: torch.dtype) -> LinearConfig:
+        """The baseline: min/max per-tensor ranges, no smoothing, no fallback."""
+        return cls(quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0)
+
+
+@dataclass
+class GroupRecord:
+    """One group's outcome: ``quant_type`` (``"FLOAT"`` after a fallback or when it
+    could not be quantized, with ``reason``), the decision, and both module sets."""
+
+    group: LinearGroup
+    quant_type: str
+    decision: GroupDecision | None = None
+    reason: str = ""
+    float_modules: dict[str, nn.Module] = field(default_factory=dict)
+    quant_modules: dict[str, nn.Module] = field(default_factory=dict)
+    kl_gain: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.decision
+        return {
+            "group": self.group.name,
+            "linears": list(self.group.linears),
+            "quant_type": self.quant_type,
+            "reason": self.reason,
+            "alpha": None if d is None else d.alpha,
+            "clip": None if d is None else d.clip,
+            "range": None if d is None else [d.lo, d.hi],
+            "sample_rel_error": None if d is None else d.rel_error,
+            "kl_gain": self.kl_gain,
+        }
+
+
+@dataclass
+class LinearResult:
+    """What :func:`quantize_linears` (and the fallback) did."""
+
+    config: LinearConfig
+    records: list[GroupRecord]
+    seconds: dict[str, float] = field(default_factory=dict)
+    scan_kl: float | None = None
+
+    def counts(self) -> dict[str, int]:
+        """Linears per description type (``W8A8`` / ``W8A8_DYNAMIC`` / ``FLOAT``)."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.quant_type] = out.get(r.quant_type, 0) + len(r.group.linears)
+        return out
+
+    @property
+    def num_linears(self) -> int:
+        return sum(len(r.group.linears) for r in self.records)
+
+    @property
+    def num_float(self) -> int:
+        return self.counts().get("FLOAT", 0)
+
+    def to_report(self) -> dict[str, Any]:
+        return {
+            "quant_type": self.config.quant_type,
+            "dtype": str(self.config.dtype).removeprefix("torch."),
+            "fallback": self.config.fallback,
+            "counts": self.counts(),
+            "scan_kl": self.scan_kl,
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "groups": [r.to_dict() for r in self.records],
+        }
+
+
+class _Stop(Exception):
+    """Raised by a capture hook to end a forward early."""
+
+
+def swap_group(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """Put each ``name -> module`` in place (``set_submodule``)."""
+    for name, module in modules.items():
+        model.set_submodule(name, module)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedError(
+            f"{type(model).__name__}: no model.layers decoder stack to calibrate"
+        )
+    return layers
+
+
+def _capture_inputs(
+    model: nn.Module, layer: nn.Module, batches: list[dict[str, torch.Tensor]]
+) -> list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]]:
+    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the first
+    decoder layer's inputs, captured by a pre-hook that ends the forward."""
+    caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
+
+    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        caught.append(
+            (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        )
+        raise _Stop
+
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    out = []
+    try:
+        for batch in batches:
+            try:
+                model(**batch, use_cache=False)
+            except _Stop:
+                pass
+            hidden, kwargs = caught.pop()
+            mask = batch.get("attention_mask")
+            mask = (
+                torch.ones(hidden.shape[:2], dtype=torch.bool)
+                if mask is None
+                else mask.bool()
+            )
+            out.append((hidden.detach(), kwargs, mask.to(hidden.device)))
+    finally:
+        handle.remove()
+    return out
+
+
+def _real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``)."""
+    if x.shape[:-1] == mask.shape:
+        return x[mask]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == mask.numel():
+        return flat[mask.reshape(-1)]
+    return flat
+
+
+def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
+    """Fold ``s`` ``[K]``: weights' columns times ``s``; the norm weight, or the
+    producing linear's output rows (and bias), divided by it."""
+    for name in group.linears:
+        lin = model.get_submodule(name)
+        lin.weight.data.mul_(s.to(lin.weight)[None, :])
+    if group.norm is not None:
+        norm = model.get_submodule(group.norm)
+        norm.weight.data.div_(s.to(norm.weight))
+    if group.fold is not None:
+        src = model.get_submodule(group.fold)
+        rows = s
+        if group.tie > 1:
+            rows = s.view(-1, group.tie, group.head_dim)[:, 0, :].reshape(-1)
+        src.weight.data.div_(rows.to(src.weight)[:, None])
+        if src.bias is not None:
+            src.bias.data.div_(rows.to(src.bias))
+
+
+def _quantize_group(
+    model: nn.Module, group: LinearGroup, decision: GroupDecision, config: LinearConfig
+) -> dict[str, QuantizedLinear]:
+    out: dict[str, QuantizedLinear] = {}
+    for name in group.linears:
+        lin = model.get_submodule(name)
+        bias = lin.bias.detach() if lin.bias is not None else None
+        if config.quant_type == "W8A8":
+            q: QuantizedLinear = W8A8Linear.from_float(
+                lin.weight,
+                bias,
+                decision.lo,
+                decision.hi,
+                dtype=config.dtype,
+                name=name,
+            )
+        else:
+            q = W8A8DynamicLinear.from_float(
+                lin.weight, bias, dtype=config.dtype, name=name
+            )
+        out[name] = q.to(lin.weight.device)
+    return out
+
+
+@torch.no_grad()
+def quantize_linears(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    config: LinearConfig,
+    *,
+    progress: Any = None,
+) -> LinearResult:
+    """Quantize every planned linear of ``model`` in place, layer by layer (see the
+    module doc). ``batches``: tokenized calibration batches (``input_ids``,
+    ``attention_mask``, ``position_ids``). ``progress`` (a bar) advances per layer.
+    """
+    t0 = time.perf_counter()
+    plans = linear_plan(model)
+    done = [
+        n
+        for p in plans
+        for g in p.groups
+        for n in g.linears
+        if isinstance(model.get_submodule(n), QuantizedLinear)
+    ]
+    if done:
+        raise InputError(f"{done[0]} is already quantized; start from the float model")
+    layers = _decoder_layers(model)
+    batches = list(batches)
+    if not batches:
+        raise InputError("no calibration batches for the linear calibration")
+    inputs = _capture_inputs(model, layers[0], batches)
+    records: list[GroupRecord] = []
+    dynamic = config.quant_type == "W8A8_DYNAMIC"
+    for plan in plans:
+        layer = layers[plan.index]
+        stats: dict[str, InputStats] = {}
+        current: dict[str, torch.Tensor] = {}
+        handles = []
+        for gi, group in enumerate(plan.groups):
+            first = model.get_submodule(group.linears[0])
+            st = InputStats(
+                first.in_features, rows=config.search_rows, seed=config.seed + gi
+            )
+            stats[group.name] = st
+
+            def hook(
+                _m: nn.Module,
+                args: tuple,
+                st: InputStats = st,
+                current: dict[str, torch.Tensor] = current,
+            ) -> None:
+                st.update(_real_rows(args[0], current["mask"]))
+
+            handles.append(first.register_forward_pre_hook(hook))
+        try:
+            for hidden, kwargs, mask in inputs:
+                current["mask"] = mask
+                layer(hidden, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        layer_records = []
+        for group in reversed(plan.groups):
+            weight = torch.cat(
+                [model.get_submodule(n).weight.detach() for n in group.linears]
+            )
+            decision = decide_group(
+                weight,
+                stats[group.name],
+                dynamic=dynamic,
+                dtype=config.dtype,
+                alphas=config.alphas if group.smoothable else (None,),
+                clips=config.clips,
+                tie=group.tie,
+                head_dim=group.head_dim,
+            )
+            if decision.smooth is not None:
+                _apply_smoothing(model, group, decision.smooth)
+            floats = {n: model.get_submodule(n) for n in group.linears}
+            record = GroupRecord(
+                group, config.quant_type, decision, float_modules=floats
+            )
+            try:
+                record.quant_modules = dict(
+                    _quantize_group(model, group, decision, config)
+                )
+            except UnsupportedError as exc:
+                record.quant_type, record.reason = "FLOAT", str(exc)
+                logger.warning("keeping %s float: %s", group.name, exc)
+            layer_records.append(record)
+        for record in layer_records:
+            # Swap only after every decision of the layer: a fold changes an
+            # earlier group's float weights, which its own quantization must see.
+            if record.quant_type != "FLOAT":
+                swap_group(model, record.quant_modules)
+        records += reversed(layer_records)
+        for i, (hidden, kwargs, mask) in enumerate(inputs):
+            out = layer(hidden, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            inputs[i] = (out.detach(), kwargs, mask)
+        if progress is not None:
+            progress.update(1)
+    return LinearResult(config, records, {"quantize": time.perf_counter() - t0})

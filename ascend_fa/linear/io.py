@@ -1,0 +1,160 @@
+"""Quantized linears in and out of checkpoints.
+
+* :func:`quantized_modules` — every :class:`~.modules.QuantizedLinear` of a model;
+* :func:`export_state` — a checkpoint state dict with each quantized linear's own
+  entries replaced by its ``export_tensors`` (already in the consumer's dtypes);
+* :func:`load_quantized_model` — apply an artifact's tensors to a model of the same
+  architecture: quantized linears become modules again (recognised by an int8
+  ``<p>.weight``: with ``deq_scale`` W8A8, with only ``weight_scale`` W8A8_DYNAMIC),
+  every other tensor the model has (smoothed norms, float linears) is copied in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ascend_fa.errors import FileFormatError, NotFoundError
+
+from .modules import QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+
+__all__ = [
+    "artifact_model",
+    "export_state",
+    "load_quantized_model",
+    "quantized_linear_names",
+    "quantized_modules",
+    "read_artifact_tensors",
+]
+
+_SUFFIXES = (
+    "weight",
+    "weight_scale",
+    "weight_offset",
+    "input_scale",
+    "input_offset",
+    "deq_scale",
+    "quant_bias",
+    "bias",
+)
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """Dotted name -> quantized linear, in model order."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def export_state(
+    model: nn.Module, state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state`` (checkpoint names) with every quantized linear's entries replaced
+    by its ``export_tensors`` (dtypes as the consumers read them, no cast)."""
+    out = dict(state)
+    for name, module in quantized_modules(model).items():
+        for key in [k for k in out if k.startswith(name + ".")]:
+            del out[key]
+        out.update(module.export_tensors(name))
+    return out
+
+
+def read_artifact_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an artifact directory's weight files."""
+    from safetensors import safe_open
+
+    from ascend_fa.artifact.reader import read_tensor_index
+
+    index = read_tensor_index(Path(directory))
+    if not index:
+        raise NotFoundError("no safetensors weights", path=directory)
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in index.items():
+        by_file.setdefault(path, []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def quantized_linear_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Prefixes ``<p>`` whose ``<p>.weight`` is int8 (a quantized linear)."""
+    return sorted(
+        k.removesuffix(".weight")
+        for k, t in tensors.items()
+        if k.endswith(".weight") and t.dtype == torch.int8
+    )
+
+
+def _model_dtype(parts: Mapping[str, torch.Tensor]) -> torch.dtype:
+    for key in ("weight_scale", "input_scale", "bias"):
+        t = parts.get(key)
+        if t is not None and t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+@torch.no_grad()
+def load_quantized_model(
+    model: nn.Module, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, QuantizedLinear]:
+    """Apply an artifact's ``tensors`` to ``model`` (see the module doc); returns
+    the quantized linears put in place. Raises :class:`FileFormatError` naming the
+    tensor when one does not fit the model."""
+    state = model.state_dict()
+    placed: dict[str, QuantizedLinear] = {}
+    names = quantized_linear_names(tensors)
+    for name in names:
+        try:
+            float_mod = model.get_submodule(name)
+        except AttributeError:
+            raise FileFormatError(
+                f"{name}.weight: the model has no module {name!r}"
+            ) from None
+        parts = {
+            s: tensors[f"{name}.{s}"] for s in _SUFFIXES if f"{name}.{s}" in tensors
+        }
+        dtype = _model_dtype(parts)
+        cls = W8A8Linear if "deq_scale" in parts else W8A8DynamicLinear
+        module = cls.from_tensors(name, parts, dtype)
+        if isinstance(float_mod, nn.Linear) and (
+            module.in_features != float_mod.in_features
+            or module.out_features != float_mod.out_features
+        ):
+            raise FileFormatError(
+                f"{name}.weight: shape {tuple(parts['weight'].shape)} does not fit the "
+                f"model's [{float_mod.out_features}, {float_mod.in_features}]"
+            )
+        params = list(float_mod.parameters()) or list(float_mod.buffers())
+        placed[name] = module.to(params[0].device if params else "cpu")
+    quant_keys = {f"{n}.{s}" for n in names for s in _SUFFIXES}
+    for key, t in tensors.items():
+        if key in quant_keys or key not in state:
+            continue
+        dst = state[key]
+        if dst.shape != t.shape:
+            raise FileFormatError(
+                f"{key}: shape {tuple(t.shape)} does not fit the model's "
+                f"{tuple(dst.shape)}"
+            )
+        dst.copy_(t.to(dst.dtype))
+    for name, module in placed.items():
+        model.set_submodule(name, module)
+    return placed
+
+
+def artifact_model(model: nn.Module, directory: str | Path) -> nn.Module | None:
+    """A deep copy of ``model`` carrying the artifact's weights when the artifact
+    has quantized linears (None otherwise: its weights are the source's). ``eval``
+    and ``emulate`` run it beside the float ``model``."""
+    import copy
+
+    tensors = read_artifact_tensors(directory)
+    if not quantized_linear_names(tensors):
+        return None
+    quantized = copy.deepcopy(model)
+    load_quantized_model(quantized, tensors)
+    return quantized

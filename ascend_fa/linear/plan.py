@@ -1,0 +1,210 @@
+"""Which linears of a model are quantized, in which groups, and where smoothing folds.
+
+A **group** is a set of linears that read the same input: they share one activation
+scale and offset (the consumers fuse them: vllm-ascend's ``packed_modules_mapping``
+q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``, DeepSeek ``q_a_proj`` +
+``kv_a_proj_with_mqa`` -> ``fused_qkv_a_proj``, vllm-project/vllm-ascend
+``vllm_ascend/quantization/modelslim_config.py`` @182b75e; MindIE's
+``Weights.get_per_tensor_sharded`` raises "`input_scale` are not equal" for fused
+linears, Ascend/MindIE-LLM ``atb_llm/utils/weights.py`` @8b4871a), and a group is
+quantized or kept float as a whole (vllm-ascend ``is_layer_skipped_ascend`` raises
+"Detected some but not all shards ... are quantized").
+
+Smoothing of a group is folded either into the norm before it (every reader of
+that norm's output is in the group) or into the output rows of the linear that
+produces its input (``v_proj`` for ``o_proj``: the attention output of query head
+``h`` is a mix of V rows of KV head ``h // g``, so the factor is tied across the
+``g`` query heads of a KV head; ``up_proj`` for ``down_proj``: ``act(gate) * up``
+is linear in ``up``).
+
+==============  ==========================================  =====================
+model types     groups per decoder layer                    smoothing folds into
+==============  ==========================================  =====================
+llama, qwen2,   ``qkv`` q/k/v_proj                          ``input_layernorm``
+qwen3, mistral  ``o`` o_proj                                ``v_proj`` rows (tied)
+                ``gate_up`` gate/up_proj                    ``post_attention_layernorm``
+                ``down`` down_proj                          ``up_proj`` rows
+deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
+                kv_a_proj_with_mqa
+                ``q_b`` q_b_proj                            ``q_a_layernorm``
+                ``o`` o_proj                                -
+                dense MLP: ``gate_up``, ``down``            as above
+                MoE: ``shared_gate_up``, ``shared_down``    -, shared ``up_proj``
+==============  ==========================================  =====================
+
+Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLOAT);
+DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
+asserts ``isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod)``,
+``vllm_ascend/attention/mla_v1.py`` @182b75e, "We currently do not support quant
+kv_b_proj"); DeepSeek routed experts, which transformers 5 holds as fused
+``experts.gate_up_proj`` / ``experts.down_proj`` parameters rather than linears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ascend_fa.errors import UnsupportedError
+
+from .modules import QuantizedLinear, check_linear_shape
+
+__all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
+
+GQA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """Linears that share one input (see the module doc).
+
+    ``norm``: the norm whose weight absorbs smoothing (or None); ``fold``: the
+    linear whose output rows absorb it (or None); ``tie``: query heads per KV head
+    when the factor is tied across heads (``o`` group), else 1; ``head_dim`` then
+    gives the width of one head.
+    """
+
+    name: str
+    kind: str
+    linears: tuple[str, ...]
+    norm: str | None = None
+    fold: str | None = None
+    tie: int = 1
+    head_dim: int = 0
+
+    @property
+    def smoothable(self) -> bool:
+        return self.norm is not None or self.fold is not None
+
+
+@dataclass
+class LayerPlan:
+    """The groups of decoder layer ``index`` (``prefix`` its dotted name), in the
+    order the layer computes them."""
+
+    index: int
+    prefix: str
+    groups: list[LinearGroup] = field(default_factory=list)
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _linear(model: nn.Module, name: str) -> nn.Module:
+    mod = model.get_submodule(name)
+    if not isinstance(mod, nn.Linear | QuantizedLinear):
+        raise UnsupportedError(
+            f"{name}: expected an nn.Linear, got {type(mod).__name__}"
+        )
+    return mod
+
+
+def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+    p = f"model.layers.{i}"
+    a, m = f"{p}.self_attn", f"{p}.mlp"
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return LayerPlan(
+        i,
+        p,
+        [
+            LinearGroup(
+                f"{a}.qkv",
+                "qkv",
+                (f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"),
+                norm=f"{p}.input_layernorm",
+            ),
+            LinearGroup(
+                f"{a}.o",
+                "o",
+                (f"{a}.o_proj",),
+                fold=f"{a}.v_proj",
+                tie=heads // kv,
+                head_dim=head_dim,
+            ),
+            LinearGroup(
+                f"{m}.gate_up",
+                "gate_up",
+                (f"{m}.gate_proj", f"{m}.up_proj"),
+                norm=f"{p}.post_attention_layernorm",
+            ),
+            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+        ],
+    )
+
+
+def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+    p = f"model.layers.{i}"
+    a, m = f"{p}.self_attn", f"{p}.mlp"
+    groups = []
+    q_in = f"{a}.q_a_proj" if _has(model, f"{a}.q_a_proj") else f"{a}.q_proj"
+    groups.append(
+        LinearGroup(
+            f"{a}.attn_in",
+            "attn_in",
+            (q_in, f"{a}.kv_a_proj_with_mqa"),
+            norm=f"{p}.input_layernorm",
+        )
+    )
+    if _has(model, f"{a}.q_b_proj"):
+        groups.append(
+            LinearGroup(
+                f"{a}.q_b", "q_b", (f"{a}.q_b_proj",), norm=f"{a}.q_a_layernorm"
+            )
+        )
+    groups.append(LinearGroup(f"{a}.o", "o", (f"{a}.o_proj",)))
+    if _has(model, f"{m}.gate_proj"):
+        groups += [
+            LinearGroup(
+                f"{m}.gate_up",
+                "gate_up",
+                (f"{m}.gate_proj", f"{m}.up_proj"),
+                norm=f"{p}.post_attention_layernorm",
+            ),
+            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+        ]
+    elif _has(model, f"{m}.shared_experts.gate_proj"):
+        s = f"{m}.shared_experts"
+        groups += [
+            # The norm output also feeds the router and the routed experts: no fold.
+            LinearGroup(
+                f"{s}.gate_up", "shared_gate_up", (f"{s}.gate_proj", f"{s}.up_proj")
+            ),
+            LinearGroup(
+                f"{s}.down", "shared_down", (f"{s}.down_proj",), fold=f"{s}.up_proj"
+            ),
+        ]
+    return LayerPlan(i, p, groups)
+
+
+def linear_plan(model: nn.Module) -> list[LayerPlan]:
+    """The quantization plan of ``model`` (one :class:`LayerPlan` per decoder layer).
+
+    Raises :class:`UnsupportedError` for a model type without a plan, or a linear
+    whose shape no consumer's kernel takes (naming it).
+    """
+    cfg = model.config
+    model_type = getattr(cfg, "model_type", None)
+    n = int(cfg.num_hidden_layers)
+    if model_type in GQA_MODEL_TYPES:
+        plans = [_gqa_layer(model, cfg, i) for i in range(n)]
+    elif model_type == "deepseek_v3":
+        plans = [_deepseek_layer(model, cfg, i) for i in range(n)]
+    else:
+        raise UnsupportedError(
+            f"--linear: no quantized-linear plan for model_type {model_type!r} "
+            f"(supported: {', '.join((*GQA_MODEL_TYPES, 'deepseek_v3'))})"
+        )
+    for plan in plans:
+        for group in plan.groups:
+            for name in group.linears:
+                lin = _linear(model, name)
+                check_linear_shape(name, lin.in_features, lin.out_features)
+    return plans

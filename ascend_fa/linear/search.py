@@ -1,0 +1,205 @@
+"""Layer-local decisions for one linear group: smoothing strength and activation range.
+
+Statistics of a group's input (:class:`InputStats`, real tokens only): per-channel
+minimum and maximum over all calibration tokens, and a sample of rows ``[R, K]`` that
+always holds the rows with the largest ``max |x|`` (the outlier tokens that set the
+range) plus random others.
+
+:func:`decide_group` searches, on the sample, the choice with the smallest squared
+error of the group's outputs against the float outputs ``X @ W^T``:
+
+1. SmoothQuant (Xiao et al., 2023): ``s_j = max|X_j|^α / max|W_j|^(1-α)`` over the
+   group's stacked weights; ``X / s`` and ``W * s`` give the same product in float.
+   ``α`` from ``config.alphas`` (``None`` = no smoothing) with the full range.
+2. Static W8A8 only: the per-tensor range ``[c·lo, c·hi]`` for ``c`` in
+   ``config.clips`` (``1.0`` = min/max of all calibration tokens) with the chosen α.
+
+Everything here depends only on the group's own inputs and weights, so a streaming
+calibration can take the same decisions one layer at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ascend_fa.atb_ops.linear import dynamic_quant
+
+from .modules import activation_qparams, quantize_weight
+
+__all__ = ["GroupDecision", "InputStats", "decide_group", "smooth_factors"]
+
+#: Bounds of a smoothing factor: a channel that is all zero on one side keeps 1,
+#: and no factor moves a channel by more than 1e4 either way.
+_S_MIN, _S_MAX = 1e-4, 1e4
+
+
+class InputStats:
+    """Running per-channel range and a row sample of one group's input ``[*, K]``."""
+
+    def __init__(self, in_features: int, rows: int = 256, top: int = 16, seed: int = 0):
+        self.k = in_features
+        self.rows = rows
+        self.top = top
+        self.cmin = torch.full((in_features,), float("inf"))
+        self.cmax = torch.full((in_features,), float("-inf"))
+        self.tokens = 0
+        self._parts: list[torch.Tensor] = []
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def update(self, x: torch.Tensor) -> None:
+        """Add the real-token rows ``x`` ``[T, K]``."""
+        x = x.detach().float().cpu()
+        if x.numel() == 0:
+            return
+        self.cmin = torch.minimum(self.cmin, x.amin(dim=0))
+        self.cmax = torch.maximum(self.cmax, x.amax(dim=0))
+        self.tokens += x.shape[0]
+        amax = x.abs().amax(dim=1)
+        top = torch.topk(amax, min(self.top, x.shape[0])).indices
+        pick = torch.randperm(x.shape[0], generator=self._gen)[: self.rows]
+        self._parts.append(x[torch.unique(torch.cat([top, pick]))])
+
+    def sample(self) -> torch.Tensor:
+        """``[R', K]``: the ``top`` rows of largest ``max |x|`` and random others,
+        at most ``rows + top`` rows."""
+        if not self._parts:
+            return torch.zeros(0, self.k)
+        allx = torch.cat(self._parts)
+        if allx.shape[0] <= self.rows + self.top:
+            return allx
+        amax = allx.abs().amax(dim=1)
+        top = torch.topk(amax, self.top).indices
+        rest = torch.ones(allx.shape[0], dtype=torch.bool)
+        rest[top] = False
+        others = rest.nonzero().flatten()
+        others = others[
+            torch.randperm(others.numel(), generator=self._gen)[: self.rows]
+        ]
+        return allx[torch.cat([top, others])]
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        """Per-channel ``max |x|`` ``[K]`` (zeros before any update)."""
+        if self.tokens == 0:
+            return torch.zeros(self.k)
+        return torch.maximum(self.cmin.abs(), self.cmax.abs())
+
+
+@dataclass
+class GroupDecision:
+    """What :func:`decide_group` chose: ``alpha`` (None = no smoothing), the
+    factors ``smooth`` ``[K]`` (None when not smoothed), the clip factor, the
+    activation range ``[lo, hi]`` after smoothing and clipping, and ``rel_error`` =
+    squared output error / squared float output on the sample."""
+
+    alpha: float | None
+    smooth: torch.Tensor | None
+    clip: float
+    lo: float
+    hi: float
+    rel_error: float
+
+
+def smooth_factors(
+    act_absmax: torch.Tensor,
+    w_absmax: torch.Tensor,
+    alpha: float,
+    *,
+    tie: int = 1,
+    head_dim: int = 0,
+) -> torch.Tensor:
+    """``s = a^α / w^(1-α)`` per input channel ``[K]``; with ``tie > 1`` the ``K =
+    H * D`` channels are grouped ``[Hkv, tie, D]`` and share one factor per KV head
+    channel (max over the ``tie`` query heads). Channels where either side is zero
+    keep 1 (an all-zero activation channel or weight column: the documented safe
+    value)."""
+    a, w = act_absmax.float(), w_absmax.float()
+    if tie > 1:
+        d = head_dim
+        a = a.view(-1, tie, d).amax(dim=1)
+        w = w.view(-1, tie, d).amax(dim=1)
+    s = a.pow(alpha) / w.pow(1.0 - alpha)
+    s = torch.where((a > 0) & (w > 0) & torch.isfinite(s), s, torch.ones_like(s))
+    s = s.clamp(_S_MIN, _S_MAX)
+    if tie > 1:
+        s = s[:, None, :].expand(-1, tie, -1).reshape(-1)
+    return s
+
+
+def _fq_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    codes, scale = quantize_weight(w, dtype)
+    return codes.float() * scale[:, None]
+
+
+def _fq_static(
+    x: torch.Tensor, lo: float, hi: float, dtype: torch.dtype
+) -> torch.Tensor:
+    scale, offset = activation_qparams(lo, hi, dtype)
+    # As W8A8Linear.quantize_input: multiply by 1 / scale computed in the dtype.
+    recip = torch.tensor([scale], dtype=dtype).reciprocal().float()
+    q = torch.clamp(torch.round(x * recip + float(offset)), -128, 127)
+    return (q - offset) * scale
+
+
+def _fq_dynamic(x: torch.Tensor) -> torch.Tensor:
+    q, pts = dynamic_quant(x)
+    return q.float() * pts[:, None]
+
+
+def decide_group(
+    weight: torch.Tensor,
+    stats: InputStats,
+    *,
+    dynamic: bool,
+    dtype: torch.dtype,
+    alphas: tuple[float | None, ...],
+    clips: tuple[float, ...],
+    tie: int = 1,
+    head_dim: int = 0,
+) -> GroupDecision:
+    """Choose smoothing and range for the group whose stacked float weights are
+    ``weight`` ``[N, K]`` (see the module doc)."""
+    x = stats.sample()
+    lo_all = float(stats.cmin.min()) if stats.tokens else 0.0
+    hi_all = float(stats.cmax.max()) if stats.tokens else 0.0
+    if x.shape[0] == 0:
+        return GroupDecision(None, None, 1.0, lo_all, hi_all, 0.0)
+    w = weight.detach().float().cpu()
+    ref = x @ w.t()
+    norm = float(ref.square().sum()) or 1.0
+    w_absmax = w.abs().amax(dim=0)
+
+    def error(s: torch.Tensor | None, clip: float) -> tuple[float, float, float]:
+        xs, ws = (x, w) if s is None else (x / s, w * s)
+        if s is None:
+            lo, hi = lo_all, hi_all
+        else:
+            lo, hi = float((stats.cmin / s).min()), float((stats.cmax / s).max())
+        lo, hi = clip * lo, clip * hi
+        xq = _fq_dynamic(xs) if dynamic else _fq_static(xs, lo, hi, dtype)
+        err = float((xq @ _fq_weight(ws, dtype).t() - ref).square().sum())
+        return err, lo, hi
+
+    best: tuple[float, float | None, torch.Tensor | None, float, float, float] | None
+    best = None
+    for alpha in alphas:
+        s = None
+        if alpha is not None:
+            s = smooth_factors(
+                stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
+            )
+        err, lo, hi = error(s, 1.0)
+        if best is None or err < best[0]:
+            best = (err, alpha, s, 1.0, lo, hi)
+    assert best is not None
+    if not dynamic:
+        for clip in clips:
+            if clip == 1.0:
+                continue
+            err, lo, hi = error(best[2], clip)
+            if err < best[0]:
+                best = (err, best[1], best[2], clip, lo, hi)
+    err, alpha, s, clip, lo, hi = best
+    return GroupDecision(alpha, s, clip, lo, hi, err / norm)

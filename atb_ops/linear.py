@@ -1,0 +1,448 @@
+"""W8A8 linear ops: activation quantizers and the quantized matmul, defined once.
+
+========================  ==========================================================
+op (``ascend_fa::``)      inputs -> output
+========================  ==========================================================
+``quantize_static``       ``x`` ``[M, K]`` float, ``scale``/``offset`` ``[1]`` float,
+                          ``div_mode`` -> int8 ``[M, K]``
+``dynamic_quant``         ``x`` ``[M, K]`` float -> int8 ``[M, K]``, fp32 ``[M]``
+``quant_matmul``          ``x_q`` ``[M, K]`` int8, ``weight`` ``[N, K]`` int8,
+                          ``deq_scale`` ``[N]`` fp32/int64, ``quant_bias`` ``[N]``
+                          int32 or None -> ``[M, N]`` ``out_dtype``
+``quant_matmul_dynamic``  ``x_q``, ``weight`` as above, ``weight_scale`` ``[N]`` fp32,
+                          ``pertoken_scale`` ``[M]`` fp32, ``bias`` ``[N]`` or None
+                          -> ``[M, N]`` ``out_dtype``
+========================  ==========================================================
+
+Numerics, each as the device documents it:
+
+* ``quantize_static`` is ``torch_npu.npu_quantize(x, scale, offset, torch.qint8, -1,
+  div_mode)``: ``clamp(round_half_even(x * scale + offset), -128, 127)`` in fp32
+  (``x / scale`` when ``div_mode``); the offset is added **before** rounding, as in
+  op-plugin's golden for AscendQuantV2 (Ascend/op-plugin
+  ``test/test_custom_ops/test_npu_quantize.py`` @517f2e7,
+  ``cpu_op_exec_ascend_quant_v2``: ``np.round(x * scale + zero_point)`` then
+  ``np.clip(-128, 127)``) and in
+  msModelSlim 26.1's quantizer (``msmodelslim/ir/api/impl/int_quantization.py``,
+  ``(x / scale + offset).round_()``). vllm-ascend calls it with ``div_mode=False`` and
+  the reciprocal of ``input_scale`` computed in the model dtype
+  (vllm-project/vllm-ascend ``vllm_ascend/ops/register_custom_ops.py`` @182b75e,
+  ``_quantize_impl``; ``methods/w8a8_static.py``, ``process_weights_after_loading``).
+* ``dynamic_quant`` is ``torch_npu.npu_dynamic_quant(x)``: per row ``scale = max|x| /
+  127`` and ``y = round_half_even(x / scale)`` in fp32 (Ascend/op-plugin
+  ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_dynamic_quant.md`` and its test's
+  ``supported_op_exec`` @517f2e7). The device leaves an all-zero row undefined
+  (``0 / 0``); here it gets codes 0 and scale 0, so its output is exactly 0 (the
+  documented safe value).
+* ``quant_matmul`` is ``torch_npu.npu_quant_matmul(x_q, weight.t(), deq_scale,
+  bias=quant_bias, output_dtype=...)``: ``(x_q @ weight^T + quant_bias) * deq_scale``
+  (op-plugin ``torch_npu-npu_quant_matmul.md``: "bias 为 int32: out = (x1 @ x2 + bias) *
+  scale"). The product is accumulated exactly in integers (int32 on the device;
+  here fp32 GEMMs over K chunks of 1024, each partial sum an integer of magnitude
+  <= 2**24 and so exact, added in float64), the int32 sum is converted to fp32
+  (round to nearest even), multiplied by the fp32 scale and rounded once to
+  ``out_dtype``. An int64
+  ``deq_scale`` (fp16 models, msModelSlim's ``deqscale2int64``) holds the fp32 bit
+  pattern in its low 32 bits; the device keeps the top 19 bits of it (op-plugin
+  ``torch_npu-npu_trans_quant_param.md``: "scale 按bit位取高19位截断"), so it is
+  decoded with the low 13 mantissa bits cleared.
+* ``quant_matmul_dynamic`` is ``npu_quant_matmul(x_q, weight.t(), weight_scale,
+  pertoken_scale=..., bias=..., output_dtype=...)``: ``x_q @ weight^T * weight_scale
+  * pertoken_scale + bias`` in fp32, rounded once to ``out_dtype``
+  (op-plugin ``torch_npu-npu_quant_matmul.md``, float bias row of the formula).
+
+Each op has a fake kernel, and a ``*_ref`` golden reference that loops over elements
+in plain Python (tests compare the ops with it bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from .constants import INT8_MAX, INT8_MIN
+
+__all__ = [
+    "FP19_MASK",
+    "OUT_DTYPES",
+    "decode_deq_scale",
+    "encode_deq_scale_int64",
+    "dynamic_quant",
+    "dynamic_quant_ref",
+    "quant_matmul",
+    "quant_matmul_dynamic",
+    "quant_matmul_dynamic_ref",
+    "quant_matmul_ref",
+    "quantize_static",
+    "quantize_static_ref",
+]
+
+#: ``deq_scale`` bits the device keeps of an int64 (fp32 pattern) scale: sign,
+#: exponent and the top 10 mantissa bits ("FP19").
+FP19_MASK = 0xFFFFE000
+
+#: ``out_dtype`` names the matmul ops accept (op signatures carry strings).
+OUT_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _out_dtype(name: str) -> torch.dtype:
+    if name not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {name!r}")
+    return OUT_DTYPES[name]
+
+
+def encode_deq_scale_int64(deq: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[N]`` -> int64 ``[N]`` holding each value's fp32 bit pattern (the
+    form fp16 models store, msModelSlim ``save/utils/deqscale.py``
+    ``deqscale2int64``: ``frombuffer(fp32 bytes, int32).astype(int64)``)."""
+    bits = deq.detach().to("cpu", torch.float32).contiguous().view(torch.int32)
+    return bits.to(torch.int64)
+
+
+def decode_deq_scale(deq: torch.Tensor) -> torch.Tensor:
+    """The fp32 ``[N]`` scale the device multiplies by: a float32 ``deq_scale`` as
+    is; an int64 one decoded from its low 32 bits with the low 13 mantissa bits
+    cleared (the device keeps FP19, see the module doc)."""
+    if deq.dtype == torch.int64:
+        low = (deq & 0xFFFFFFFF) & FP19_MASK
+        # Back to a signed int32 pattern, then reinterpret as fp32.
+        low = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32)
+        return low.view(torch.float32)
+    return deq.to(torch.float32)
+
+
+def _check_2d(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype | None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fn}: {name} must be a 2-D tensor, got {shape}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{fn}: {name} must be {dtype}, got {t.dtype}")
+
+
+def _check_vec(
+    fn: str, name: str, t: torch.Tensor, n: int, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != n:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{fn}: {name} must have shape [{n}], got {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{fn}: {name} must be one of {dtypes}, got {t.dtype}")
+
+
+# --------------------------------------------------------------------------- quantize
+
+
+@torch.library.custom_op("ascend_fa::quantize_static", mutates_args=())
+def _quantize_static_op(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, div_mode: bool
+) -> torch.Tensor:
+    xf = x.float()
+    s = scale.to(device=x.device, dtype=torch.float32)
+    o = offset.to(device=x.device, dtype=torch.float32)
+    # Two fp32 roundings (scale, then offset) and ties to even, as the golden does.
+    y = (xf / s if div_mode else xf * s) + o
+    return torch.clamp(torch.round(y), INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+@_quantize_static_op.register_fake
+def _(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, div_mode: bool
+) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.int8)
+
+
+def quantize_static(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    div_mode: bool = False,
+) -> torch.Tensor:
+    """Per-tensor static INT8 codes of ``x`` ``[M, K]``:
+    ``clamp(round(x * scale + offset), -128, 127)`` (``x / scale`` with
+    ``div_mode``), ``scale`` and ``offset`` ``[1]`` floating (the offset is an
+    integer value in any float dtype, as the device takes it)."""
+    fn = "quantize_static"
+    _check_2d(fn, "x", x, None)
+    if not x.is_floating_point():
+        raise ValueError(f"{fn}: x must be floating, got {x.dtype}")
+    for name, t in (("scale", scale), ("offset", offset)):
+        if not isinstance(t, torch.Tensor) or t.shape != (1,):
+            raise ValueError(f"{fn}: {name} must have shape [1]")
+    s = float(scale.float())
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"{fn}: scale must be finite and > 0, got {s}")
+    return torch.ops.ascend_fa.quantize_static(x, scale, offset, bool(div_mode))
+
+
+def quantize_static_ref(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, div_mode: bool = False
+) -> torch.Tensor:
+    """Golden reference of :func:`quantize_static`, one element at a time (fp32
+    arithmetic through numpy-free scalar tensors, ties to even by hand)."""
+    s = torch.tensor(float(scale.float()), dtype=torch.float32)
+    o = torch.tensor(float(offset.float()), dtype=torch.float32)
+    out = torch.empty(x.shape, dtype=torch.int8)
+    xf = x.float()
+    for i in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            v = xf[i, j] / s if div_mode else xf[i, j] * s
+            out[i, j] = _clamp_int8(_round_half_even(float(v + o)))
+    return out
+
+
+def _round_half_even(v: float) -> int:
+    low = math.floor(v)
+    frac = v - low
+    return low + 1 if frac > 0.5 or (frac == 0.5 and low % 2 == 1) else low
+
+
+def _clamp_int8(v: int) -> int:
+    return min(max(v, INT8_MIN), INT8_MAX)
+
+
+@torch.library.custom_op("ascend_fa::dynamic_quant", mutates_args=())
+def _dynamic_quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    # An all-zero row: codes 0 and scale 0 (0 / 0 is undefined on the device).
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(xf / safe[:, None]), INT8_MIN, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+@_dynamic_quant_op.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty_like(x, dtype=torch.int8),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
+
+
+def dynamic_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric INT8: ``x`` ``[M, K]`` float -> codes int8 ``[M, K]`` and
+    scales fp32 ``[M]`` (``max|x_m| / 127``; see the module doc)."""
+    _check_2d("dynamic_quant", "x", x, None)
+    if not x.is_floating_point():
+        raise ValueError(f"dynamic_quant: x must be floating, got {x.dtype}")
+    return torch.ops.ascend_fa.dynamic_quant(x)
+
+
+def dynamic_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Golden reference of :func:`dynamic_quant`, one row and element at a time."""
+    xf = x.float()
+    q = torch.zeros(x.shape, dtype=torch.int8)
+    scales = torch.zeros(x.shape[0], dtype=torch.float32)
+    for i in range(x.shape[0]):
+        amax = max((abs(float(v)) for v in xf[i]), default=0.0)
+        s = torch.tensor(amax, dtype=torch.float32) / torch.tensor(
+            float(INT8_MAX), dtype=torch.float32
+        )
+        scales[i] = s
+        if amax == 0.0:
+            continue
+        for j in range(x.shape[1]):
+            q[i, j] = _clamp_int8(_round_half_even(float(xf[i, j] / s)))
+    return q, scales
+
+
+# ----------------------------------------------------------------------------- matmul
+
+
+#: K per fp32 GEMM chunk: |product| <= 128 * 128 = 2**14, so every partial sum of
+#: a 1024-wide chunk is an integer of magnitude <= 2**24, exact in fp32.
+_EXACT_FP32_K = 1024
+
+
+def _int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x_q @ weight^T`` of int8 operands, exact, as float64 ``[M, N]``: fp32 GEMMs
+    over K chunks whose partial sums are exact integers (see ``_EXACT_FP32_K``),
+    added in float64 (exact below 2**53). Any summation order gives the same
+    integer, so the result is the int32 accumulator of the device."""
+    k = x_q.shape[1]
+    acc = None
+    for k0 in range(0, max(k, 1), _EXACT_FP32_K):
+        part = x_q[:, k0 : k0 + _EXACT_FP32_K].float()
+        part = part @ weight[:, k0 : k0 + _EXACT_FP32_K].float().t()
+        acc = part.double() if acc is None else acc + part.double()
+    assert acc is not None
+    return acc
+
+
+@torch.library.custom_op("ascend_fa::quant_matmul", mutates_args=())
+def _quant_matmul_op(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    acc = _int_gemm(x_q, weight)
+    if quant_bias is not None:
+        acc = acc + quant_bias.to(acc.device, torch.float64)
+    deq = decode_deq_scale(deq_scale).to(acc.device)
+    # int32 sum -> fp32 (one rounding), times the fp32 scale, one rounding to out.
+    return (acc.float() * deq).to(_out_dtype(out_dtype))
+
+
+@_quant_matmul_op.register_fake
+def _(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=_out_dtype(out_dtype))
+
+
+def quant_matmul(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W8A8 static matmul ``(x_q @ weight^T + quant_bias) * deq_scale``.
+
+    ``x_q`` int8 ``[M, K]``, ``weight`` int8 ``[N, K]`` (checkpoint layout),
+    ``deq_scale`` ``[N]`` float32 or int64 (fp32 bits), ``quant_bias`` int32 ``[N]``
+    or None -> ``[M, N]`` in ``out_dtype``.
+    """
+    fn = "quant_matmul"
+    _check_2d(fn, "x_q", x_q, torch.int8)
+    _check_2d(fn, "weight", weight, torch.int8)
+    if x_q.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{fn}: x_q has K = {x_q.shape[1]} but weight [N, K] has K = "
+            f"{weight.shape[1]}"
+        )
+    n = weight.shape[0]
+    _check_vec(fn, "deq_scale", deq_scale, n, (torch.float32, torch.int64))
+    if quant_bias is not None:
+        _check_vec(fn, "quant_bias", quant_bias, n, (torch.int32,))
+    name = str(out_dtype).removeprefix("torch.")
+    _out_dtype(name)
+    return torch.ops.ascend_fa.quant_matmul(x_q, weight, deq_scale, quant_bias, name)
+
+
+def _fp32(v: float) -> float:
+    """``v`` rounded to fp32 (round to nearest even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def quant_matmul_ref(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Golden reference of :func:`quant_matmul`: Python integer dot products, then
+    fp32 conversion, fp32 multiply and one rounding to ``out_dtype``, per element."""
+    deq = [float(v) for v in decode_deq_scale(deq_scale)]
+    xs = x_q.tolist()
+    ws = weight.tolist()
+    qb = quant_bias.tolist() if quant_bias is not None else [0] * len(ws)
+    out = torch.empty((len(xs), len(ws)), dtype=torch.float32)
+    for m, row in enumerate(xs):
+        for n, wrow in enumerate(ws):
+            acc = sum(a * b for a, b in zip(row, wrow, strict=True)) + qb[n]
+            out[m, n] = _fp32(_fp32(float(acc)) * deq[n])
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("ascend_fa::quant_matmul_dynamic", mutates_args=())
+def _quant_matmul_dynamic_op(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    acc = _int_gemm(x_q, weight).float()
+    y = acc * weight_scale.to(acc.device, torch.float32)
+    y = y * pertoken_scale.to(acc.device, torch.float32)[:, None]
+    if bias is not None:
+        y = y + bias.to(acc.device, torch.float32)
+    return y.to(_out_dtype(out_dtype))
+
+
+@_quant_matmul_dynamic_op.register_fake
+def _(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    return x_q.new_empty((x_q.shape[0], weight.shape[0]), dtype=_out_dtype(out_dtype))
+
+
+def quant_matmul_dynamic(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W8A8_DYNAMIC matmul ``x_q @ weight^T * weight_scale * pertoken_scale + bias``.
+
+    ``x_q`` int8 ``[M, K]``, ``weight`` int8 ``[N, K]``, ``weight_scale`` fp32
+    ``[N]``, ``pertoken_scale`` fp32 ``[M]``, ``bias`` float ``[N]`` or None ->
+    ``[M, N]`` in ``out_dtype``.
+    """
+    fn = "quant_matmul_dynamic"
+    _check_2d(fn, "x_q", x_q, torch.int8)
+    _check_2d(fn, "weight", weight, torch.int8)
+    if x_q.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{fn}: x_q has K = {x_q.shape[1]} but weight [N, K] has K = "
+            f"{weight.shape[1]}"
+        )
+    n = weight.shape[0]
+    _check_vec(fn, "weight_scale", weight_scale, n, (torch.float32,))
+    _check_vec(fn, "pertoken_scale", pertoken_scale, x_q.shape[0], (torch.float32,))
+    if bias is not None:
+        _check_vec(fn, "bias", bias, n, (torch.float32, torch.float16, torch.bfloat16))
+    name = str(out_dtype).removeprefix("torch.")
+    _out_dtype(name)
+    return torch.ops.ascend_fa.quant_matmul_dynamic(
+        x_q, weight, weight_scale, pertoken_scale, bias, name
+    )
+
+
+def quant_matmul_dynamic_ref(
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Golden reference of :func:`quant_matmul_dynamic`, element by element in fp32."""
+    xs = x_q.tolist()
+    ws = weight.tolist()
+    wsc = [float(v) for v in weight_scale.float()]
+    pts = [float(v) for v in pertoken_scale.float()]
+    b = [float(v) for v in bias.float()] if bias is not None else None
+    out = torch.empty((len(xs), len(ws)), dtype=torch.float32)
+    for m, row in enumerate(xs):
+        for n, wrow in enumerate(ws):
+            acc = sum(a * c for a, c in zip(row, wrow, strict=True))
+            v = _fp32(_fp32(_fp32(float(acc)) * wsc[n]) * pts[m])
+            if b is not None:
+                v = _fp32(v + b[n])
+            out[m, n] = v
+    return out.to(out_dtype)

@@ -1,0 +1,156 @@
+"""W8A8 linear ops: bit-equal to the naive loop references, opcheck, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ascend_fa.atb_ops.linear import (
+    decode_deq_scale,
+    dynamic_quant,
+    dynamic_quant_ref,
+    encode_deq_scale_int64,
+    quant_matmul,
+    quant_matmul_dynamic,
+    quant_matmul_dynamic_ref,
+    quant_matmul_ref,
+    quantize_static,
+    quantize_static_ref,
+)
+
+
+def _codes(shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("div_mode", [False, True])
+def test_quantize_static_matches_ref(dtype, div_mode):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 13, generator=g) * 3).to(dtype)
+    # exact ties on purpose: x * scale + offset lands on .5 for some elements
+    x[0, :4] = torch.tensor([0.25, 0.75, -0.25, 1.25]).to(dtype)
+    scale = torch.tensor([2.0]) if not div_mode else torch.tensor([0.5])
+    offset = torch.tensor([3.0])
+    got = quantize_static(x, scale, offset, div_mode=div_mode)
+    assert got.dtype == torch.int8
+    assert torch.equal(got, quantize_static_ref(x, scale, offset, div_mode))
+    # offset added before rounding: 0.25 * 2 + 3 = 3.5 -> 4 (ties to even)
+    if not div_mode:
+        assert int(got[0, 0]) == 4 and int(got[0, 1]) == 4  # 1.5 + 3 = 4.5 -> 4
+
+
+def test_quantize_static_saturates():
+    x = torch.tensor([[1e6, -1e6, 0.0]])
+    got = quantize_static(x, torch.tensor([1.0]), torch.tensor([-5.0]))
+    assert got.tolist() == [[127, -128, -5]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dynamic_quant_matches_ref(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 11, generator=g) * 2).to(dtype)
+    x[3] = 0  # all-zero token: codes 0, scale 0 (documented safe value)
+    q, s = dynamic_quant(x)
+    rq, rs = dynamic_quant_ref(x)
+    assert torch.equal(q, rq) and torch.equal(s, rs)
+    assert float(s[3]) == 0.0 and bool((q[3] == 0).all())
+    assert bool((q.abs().amax(dim=1)[[0, 1, 2, 4, 5]] == 127).all())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("deq_kind", ["fp32", "int64"])
+def test_quant_matmul_matches_ref(out_dtype, deq_kind):
+    x, w = _codes((5, 37), 3), _codes((9, 37), 4)
+    g = torch.Generator().manual_seed(5)
+    deq = torch.rand(9, generator=g) * 1e-3 + 1e-5
+    if deq_kind == "int64":
+        deq = encode_deq_scale_int64(deq)
+    qb = torch.randint(-(2**20), 2**20, (9,), generator=g, dtype=torch.int32)
+    got = quant_matmul(x, w, deq, qb, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and got.shape == (5, 9)
+    assert torch.equal(got, quant_matmul_ref(x, w, deq, qb, out_dtype))
+    assert torch.equal(
+        quant_matmul(x, w, deq, None, out_dtype=out_dtype),
+        quant_matmul_ref(x, w, deq, None, out_dtype),
+    )
+
+
+def test_quant_matmul_integer_sum_is_exact_for_large_k():
+    # Every product is -128 * -128: the sum 16384 * K is far beyond fp32's 2**24,
+    # and the op must still see the exact integer before the fp32 conversion.
+    k = 4099
+    x = torch.full((2, k), -128, dtype=torch.int8)
+    w = torch.full((3, k), -128, dtype=torch.int8)
+    got = quant_matmul(x, w, torch.ones(3), torch.tensor([1, 0, -1], dtype=torch.int32))
+    exact = [16384 * k + 1, 16384 * k, 16384 * k - 1]
+    want = torch.tensor(exact, dtype=torch.float64).float()
+    assert torch.equal(got[0], want)
+
+
+def test_int64_deq_scale_keeps_fp19():
+    v = torch.tensor([1.0 + 2**-20, 3.0e-4])
+    enc = encode_deq_scale_int64(v)
+    assert enc.dtype == torch.int64
+    # the fp32 bit pattern, as msModelSlim's deqscale2int64 writes it
+    assert int(enc[0]) == int(torch.tensor([1.0 + 2**-20]).view(torch.int32))
+    dec = decode_deq_scale(enc)
+    assert float(dec[0]) == 1.0  # the low 13 mantissa bits are dropped
+    bits = int(dec[1:].view(torch.int32))
+    assert bits & 0x1FFF == 0
+    assert decode_deq_scale(v).equal(v)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_quant_matmul_dynamic_matches_ref(with_bias):
+    x, w = _codes((4, 21), 6), _codes((7, 21), 7)
+    g = torch.Generator().manual_seed(8)
+    ws = torch.rand(7, generator=g) * 1e-2
+    pts = torch.rand(4, generator=g) * 1e-2
+    bias = torch.randn(7, generator=g).bfloat16() if with_bias else None
+    for out in (torch.float32, torch.bfloat16):
+        got = quant_matmul_dynamic(x, w, ws, pts, bias, out_dtype=out)
+        assert torch.equal(got, quant_matmul_dynamic_ref(x, w, ws, pts, bias, out))
+
+
+def test_opcheck_every_op():
+    x = torch.randn(4, 8)
+    x_q, w = _codes((4, 8), 9), _codes((3, 8), 10)
+    cases = [
+        (
+            torch.ops.ascend_fa.quantize_static,
+            (x, torch.ones(1), torch.zeros(1), False),
+        ),
+        (torch.ops.ascend_fa.dynamic_quant, (x,)),
+        (
+            torch.ops.ascend_fa.quant_matmul,
+            (x_q, w, torch.ones(3), torch.zeros(3, dtype=torch.int32), "bfloat16"),
+        ),
+        (torch.ops.ascend_fa.quant_matmul, (x_q, w, torch.ones(3), None, "float32")),
+        (
+            torch.ops.ascend_fa.quant_matmul_dynamic,
+            (x_q, w, torch.ones(3), torch.ones(4), torch.zeros(3), "float16"),
+        ),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_bad_inputs_name_the_problem():
+    x_q, w = _codes((2, 8), 1), _codes((3, 8), 2)
+    with pytest.raises(ValueError, match="x_q must be torch.int8"):
+        quant_matmul(x_q.float(), w, torch.ones(3))
+    with pytest.raises(ValueError, match="K = 7"):
+        quant_matmul(_codes((2, 7)), w, torch.ones(3))
+    with pytest.raises(ValueError, match=r"deq_scale must have shape \[3\]"):
+        quant_matmul(x_q, w, torch.ones(4))
+    with pytest.raises(ValueError, match="quant_bias must be one of"):
+        quant_matmul(x_q, w, torch.ones(3), torch.zeros(3))
+    with pytest.raises(ValueError, match="out_dtype"):
+        quant_matmul(x_q, w, torch.ones(3), out_dtype=torch.int8)
+    with pytest.raises(ValueError, match="pertoken_scale must have shape"):
+        quant_matmul_dynamic(x_q, w, torch.ones(3), torch.ones(5))
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        quantize_static(torch.ones(2, 2), torch.zeros(1), torch.zeros(1))
+    with pytest.raises(ValueError, match="must be floating"):
+        dynamic_quant(x_q)

@@ -53,7 +53,6 @@ from .targets import (
 )
 from .writer import (
     CheckpointTensors,
-    atomic_output_dir,
     build_description,
     checkpoint_state_dict,
     checkpoint_tensors,

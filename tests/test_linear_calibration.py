@@ -99,10 +99,10 @@ def test_dynamic_and_round_to_nearest_configs():
     )
 
 
-def test_fallback_keeps_whole_groups_float():
+def test_kl_fallback_keeps_whole_groups_float():
     tok = byte_tokenizer()
     model = tiny_llama()
-    result = _run(model, tok, fallback=3, scan_candidates=0)
+    result = _run(model, tok, fallback=3, scan_candidates=0, criterion="kl")
     floats = [r for r in result.records if r.quant_type == "FLOAT"]
     assert 0 < result.num_float <= 3
     scanned = [r for r in result.records if r.kl_gain is not None]
@@ -115,6 +115,39 @@ def test_fallback_keeps_whole_groups_float():
     best = max(scanned, key=lambda r: r.kl_gain)
     if len(best.group.linears) <= 3:
         assert best in floats
+
+
+def test_layer_fallback_is_layer_local_and_capped():
+    """The default criterion: per layer, groups with the largest gain go float
+    while the layer's output error is over the budget, within the model-wide cap;
+    each chosen group's gain was measured on the scan data."""
+    tok = byte_tokenizer()
+    model = tiny_llama()
+    result = _run(model, tok, fallback=3, layer_budget=0.0)
+    assert result.config.criterion == "layer"
+    floats = [r for r in result.records if r.quant_type == "FLOAT"]
+    assert 0 < result.num_float <= 3
+    assert all(r.layer_gain is not None for r in result.records)
+    assert set(result.layer_error) == {"model.layers.0", "model.layers.1"}
+    for record in floats:
+        assert record.reason.startswith("fallback: layer output error")
+        assert record.layer_gain > 0
+        for name in record.group.linears:
+            assert isinstance(model.get_submodule(name), nn.Linear)
+    # the first layer's best group (largest gain) is the first one taken
+    first = [r for r in result.records if r.group.name.startswith("model.layers.0.")]
+    best = max(first, key=lambda r: r.layer_gain)
+    assert best in floats or len(best.group.linears) > 3
+    # a generous budget keeps everything quantized
+    relaxed = _run(tiny_llama(), tok, fallback=3, layer_budget=1.0)
+    assert relaxed.num_float == 0
+
+
+def test_unknown_fallback_criterion_is_refused():
+    from ascend_fa.errors import InputError
+
+    with pytest.raises(InputError, match="--linear-fallback-criterion 'logits'"):
+        LinearConfig(criterion="logits")
 
 
 def test_deepseek_mla_plan():

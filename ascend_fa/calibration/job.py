@@ -206,6 +206,7 @@ def calibrate(
     kv_strategy: str = "tensor",
     linear: str | None = None,
     linear_fallback: int | str = "auto",
+    linear_fallback_criterion: str = "layer",
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
@@ -217,7 +218,9 @@ def calibrate(
     otherwise): the linears are quantized first (:mod:`ascend_fa.linear`), so the
     FA / KV scales are calibrated with the quantized linears active;
     ``linear_fallback`` keeps that many linears float (``"auto"``: by an error
-    budget). With ``merge_into`` the export's own linears are kept.
+    budget). ``linear_fallback_criterion``: ``"layer"`` (default: layer-local,
+    what a streaming run can decide) or ``"kl"`` (whole-model logits). With
+    ``merge_into`` the export's own linears are kept.
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -305,7 +308,13 @@ def calibrate(
             net,
             loaded.tokenizer,
             calib,
-            LinearConfig(linear_type, art_dtype, fallback=linear_fallback, seed=seed),
+            LinearConfig(
+                linear_type,
+                art_dtype,
+                fallback=linear_fallback,
+                seed=seed,
+                criterion=linear_fallback_criterion,
+            ),
             max_length=max_length,
             batch_size=batch_size,
             device=device,

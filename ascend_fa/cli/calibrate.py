@@ -139,9 +139,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--linear-fallback",
         default="auto",
         metavar="N|auto",
-        help="keep the N most sensitive linears float (ranked by a one-at-a-time "
-        "KL scan on calibration data); auto (default): stop at a KL budget, at "
-        "most 10%% of the linears",
+        help="keep at most N linears float, the most sensitive groups first; "
+        "auto (default): at most 10%% of the linears",
+    )
+    parser.add_argument(
+        "--linear-fallback-criterion",
+        choices=("layer", "kl"),
+        default="layer",
+        help="how the fallback picks groups: layer (default; per decoder layer, "
+        "while the layer's relative output error exceeds a budget: works with "
+        "--streaming) or kl (a one-at-a-time KL scan of whole-model logits, "
+        "stopping at a KL budget; needs the whole model in memory)",
     )
 
 
@@ -173,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not getattr(args, "quiet", False),
         linear=args.linear,
         linear_fallback=args.linear_fallback,
+        linear_fallback_criterion=args.linear_fallback_criterion,
     )
     for line in result.summary_lines():
         print(line)

@@ -9,7 +9,8 @@ module              holds
 :mod:`.plan`        which linears, grouped by shared input, where smoothing folds
 :mod:`.search`      input statistics; smoothing strength and range per group
 :mod:`.engine`      the layer-sequential calibration (:func:`quantize_linears`)
-:mod:`.fallback`    the KL scan and ``--linear-fallback N | auto``
+:mod:`.fallback`    ``--linear-fallback N | auto``: the layer-local criterion
+                    (default) or the whole-model KL scan
 :mod:`.io`          export to checkpoint tensors; load back from an artifact
 ==================  ============================================================
 
@@ -25,14 +26,18 @@ import torch
 from torch import nn
 
 from .engine import (
+    FALLBACK_CRITERIA,
     LINEAR_MODES,
     GroupRecord,
     LinearConfig,
     LinearResult,
+    decide_layer,
+    observe_layer,
+    place_layer,
     quantize_linears,
     swap_group,
 )
-from .fallback import apply_fallback, mean_kl, reference_logits
+from .fallback import LayerFallback, apply_fallback, mean_kl, reference_logits
 from .io import (
     artifact_model,
     export_state,
@@ -45,7 +50,9 @@ from .modules import QUANT_TYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .plan import LayerPlan, LinearGroup, linear_plan
 
 __all__ = [
+    "FALLBACK_CRITERIA",
     "LINEAR_MODES",
+    "LayerFallback",
     "QUANT_TYPES",
     "GroupRecord",
     "LayerPlan",
@@ -58,10 +65,13 @@ __all__ = [
     "apply_fallback",
     "artifact_model",
     "calibrate_linears",
+    "decide_layer",
     "export_state",
     "linear_plan",
     "load_quantized_model",
     "mean_kl",
+    "observe_layer",
+    "place_layer",
     "quantize_linears",
     "quantized_linear_names",
     "quantized_modules",
@@ -80,10 +90,29 @@ def calibrate_linears(
     progress: Any = None,
 ) -> LinearResult:
     """Quantize ``model``'s linears in place on the calibration ``batches`` (layer
-    by layer), then keep the most sensitive groups float as ``config.fallback``
-    says, measured on ``scan_batches`` (their float logits are taken first; no
-    scan data means no fallback). ``progress`` (a bar) advances per layer."""
+    by layer) and keep the most sensitive groups float as ``config.fallback`` says,
+    measured on ``scan_batches`` (no scan data means no fallback): with
+    ``config.criterion == "layer"`` each layer's groups are chosen before the
+    layer's outputs go on (:class:`LayerFallback`); with ``"kl"`` the scan data's
+    float logits are taken first and the whole quantized model is scanned after
+    (:func:`apply_fallback`). ``progress`` (a bar) advances per layer."""
     scan = list(scan_batches) if config.fallback != 0 else []
+    if config.criterion == "layer":
+        chooser = None
+        if scan:
+            total = sum(len(g.linears) for p in linear_plan(model) for g in p.groups)
+            chooser = LayerFallback(config, total)
+        result = quantize_linears(
+            model,
+            batches,
+            config,
+            progress=progress,
+            scan_batches=scan,
+            choose_float=chooser,
+        )
+        if chooser is not None:
+            result.layer_error = dict(chooser.errors)
+        return result
     reference = reference_logits(model, scan) if scan else []
     result = quantize_linears(model, batches, config, progress=progress)
     if scan:

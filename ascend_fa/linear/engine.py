@@ -15,16 +15,19 @@ quantized linears active, so each layer is calibrated on what the device feeds i
    layer's inputs.
 
 Each decision reads only the layer's own statistics and weights, so a streaming
-calibration can run the same three steps with one layer in memory. The float
-modules (after smoothing) are kept in the records so :mod:`.fallback` can put a
-group back to float.
+calibration runs the same steps with one layer in memory: :func:`observe_layer`,
+:func:`decide_layer` and :func:`place_layer` are the three steps of one layer, and
+:func:`quantize_linears` is their loop over an in-memory model. The float modules
+(after smoothing) are kept in the records so :mod:`.fallback` can put a group back
+to float: per layer before the propagation (``choose_float``, the layer-local
+criterion), or after the loop (the whole-model KL scan).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,17 +37,25 @@ from torch import nn
 from ascend_fa.errors import InputError, UnsupportedError
 
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
-from .plan import LinearGroup, linear_plan
+from .plan import LayerPlan, LinearGroup, linear_plan
 from .search import GroupDecision, InputStats, decide_group
 
 __all__ = [
     "DEFAULT_ALPHAS",
     "DEFAULT_CLIPS",
+    "FALLBACK_CRITERIA",
     "GroupRecord",
     "LINEAR_MODES",
+    "LayerInputs",
     "LinearConfig",
     "LinearResult",
+    "capture_layer_inputs",
+    "FloatChooser",
+    "decide_layer",
+    "observe_layer",
+    "place_layer",
     "quantize_linears",
+    "real_rows",
     "swap_group",
 ]
 
@@ -54,6 +65,12 @@ logger = logging.getLogger(__name__)
 LINEAR_MODES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "none": None}
 DEFAULT_ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_CLIPS: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+#: How the fallback ranks groups: ``layer`` by each group's share of its decoder
+#: layer's output error (layer-local: a streaming run can decide it), ``kl`` by a
+#: KL scan of whole-model logits (needs the whole model in memory).
+FALLBACK_CRITERIA = ("layer", "kl")
+#: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
+LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -64,10 +81,13 @@ class LinearConfig:
     artifact (scales are representable in it); ``alphas`` / ``clips`` the search
     grids (``(None,)`` / ``(1.0,)``: round-to-nearest with min/max ranges);
     ``search_rows`` rows sampled per group; ``fallback`` a number of linears to keep
-    float, ``"auto"`` (stop at ``budget`` mean KL on the scan data), or 0;
-    ``max_float_fraction`` caps the automatic mode; ``scan_samples`` /
-    ``scan_tokens`` size the KL scan data; ``scan_candidates`` groups (those with
-    the largest layer-local output error; 0 = all) are KL-scanned.
+    float, ``"auto"`` (``max_float_fraction`` of the linears at most), or 0;
+    ``criterion`` how groups are chosen (:data:`FALLBACK_CRITERIA`): ``"layer"``
+    (default) keeps groups float while their decoder layer's relative output error
+    on the scan data exceeds ``layer_budget``; ``"kl"`` ranks groups by a KL scan
+    of whole-model logits and stops at ``budget`` mean KL (``"auto"``);
+    ``scan_samples`` / ``scan_tokens`` size the scan data; ``scan_candidates``
+    groups (those with the largest sample output error; 0 = all) are KL-scanned.
     """
 
     quant_type: str = "W8A8"
@@ -82,6 +102,8 @@ class LinearConfig:
     scan_tokens: int = 256
     scan_candidates: int = 24
     seed: int = 0
+    criterion: str = "layer"
+    layer_budget: float = 0.02
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -103,6 +125,11 @@ class LinearConfig:
             )
         if not self.alphas or not self.clips:
             raise InputError("linear search grids must not be empty")
+        if self.criterion not in FALLBACK_CRITERIA:
+            raise InputError(
+                f"--linear-fallback-criterion {self.criterion!r}; choose one of "
+                f"{', '.join(FALLBACK_CRITERIA)}"
+            )
 
     @classmethod
     def round_to_nearest(cls, quant_type: str, dtype: torch.dtype) -> LinearConfig:
@@ -122,6 +149,7 @@ class GroupRecord:
     float_modules: dict[str, nn.Module] = field(default_factory=dict)
     quant_modules: dict[str, nn.Module] = field(default_factory=dict)
     kl_gain: float | None = None
+    layer_gain: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = self.decision
@@ -135,7 +163,12 @@ class GroupRecord:
             "range": None if d is None else [d.lo, d.hi],
             "sample_rel_error": None if d is None else d.rel_error,
             "kl_gain": self.kl_gain,
+            "layer_gain": self.layer_gain,
         }
+
+    def release(self) -> None:
+        """Drop the module sets (a streaming run frees each layer once written)."""
+        self.float_modules, self.quant_modules = {}, {}
 
 
 @dataclass
@@ -146,6 +179,8 @@ class LinearResult:
     records: list[GroupRecord]
     seconds: dict[str, float] = field(default_factory=dict)
     scan_kl: float | None = None
+    #: layer prefix -> relative output error on the scan data (criterion "layer")
+    layer_error: dict[str, float] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         """Linears per description type (``W8A8`` / ``W8A8_DYNAMIC`` / ``FLOAT``)."""
@@ -168,7 +203,9 @@ class LinearResult:
             "dtype": str(self.config.dtype).removeprefix("torch."),
             "fallback": self.config.fallback,
             "counts": self.counts(),
+            "criterion": self.config.criterion,
             "scan_kl": self.scan_kl,
+            "layer_error": dict(self.layer_error),
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "groups": [r.to_dict() for r in self.records],
         }
@@ -193,11 +230,12 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _capture_inputs(
-    model: nn.Module, layer: nn.Module, batches: list[dict[str, torch.Tensor]]
-) -> list[tuple[torch.Tensor, dict[str, Any], torch.Tensor]]:
-    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the first
-    decoder layer's inputs, captured by a pre-hook that ends the forward."""
+def capture_layer_inputs(
+    model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
+) -> list[LayerInputs]:
+    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
+    of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
+    forward there (nothing after it runs, nor needs weights)."""
     caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
 
     def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -228,7 +266,7 @@ def _capture_inputs(
     return out
 
 
-def _real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``)."""
     if x.shape[:-1] == mask.shape:
         return x[mask]
@@ -282,16 +320,128 @@ def _quantize_group(
 
 
 @torch.no_grad()
+def observe_layer(
+    model: nn.Module,
+    plan: LayerPlan,
+    layer: nn.Module,
+    inputs: Iterable[LayerInputs],
+    config: LinearConfig,
+    *,
+    reduce: Callable[[dict[str, InputStats]], None] | None = None,
+) -> dict[str, InputStats]:
+    """Step 1 of one layer: run ``layer`` (float linears) on every batch of
+    ``inputs`` and record each group's input (real tokens only). ``reduce`` (a
+    data-parallel run) makes every rank's statistics those of all ranks' data."""
+    stats: dict[str, InputStats] = {}
+    current: dict[str, torch.Tensor] = {}
+    handles = []
+    for gi, group in enumerate(plan.groups):
+        first = model.get_submodule(group.linears[0])
+        st = InputStats(
+            first.in_features, rows=config.search_rows, seed=config.seed + gi
+        )
+        stats[group.name] = st
+
+        def hook(
+            _m: nn.Module,
+            args: tuple,
+            st: InputStats = st,
+            current: dict[str, torch.Tensor] = current,
+        ) -> None:
+            st.update(real_rows(args[0], current["mask"]))
+
+        handles.append(first.register_forward_pre_hook(hook))
+    try:
+        for hidden, kwargs, mask in inputs:
+            current["mask"] = mask
+            layer(hidden, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if reduce is not None:
+        reduce(stats)
+    return stats
+
+
+@torch.no_grad()
+def decide_layer(
+    model: nn.Module,
+    plan: LayerPlan,
+    stats: dict[str, InputStats],
+    config: LinearConfig,
+) -> list[GroupRecord]:
+    """Step 2 of one layer: per group, last group first, choose smoothing and
+    range, fold the smoothing into the float weights and build the quantized
+    modules (not put in place yet). Returns the records in plan order."""
+    dynamic = config.quant_type == "W8A8_DYNAMIC"
+    layer_records = []
+    for group in reversed(plan.groups):
+        weight = torch.cat(
+            [model.get_submodule(n).weight.detach() for n in group.linears]
+        )
+        decision = decide_group(
+            weight,
+            stats[group.name],
+            dynamic=dynamic,
+            dtype=config.dtype,
+            alphas=config.alphas if group.smoothable else (None,),
+            clips=config.clips,
+            tie=group.tie,
+            head_dim=group.head_dim,
+        )
+        if decision.smooth is not None:
+            _apply_smoothing(model, group, decision.smooth)
+        floats = {n: model.get_submodule(n) for n in group.linears}
+        record = GroupRecord(group, config.quant_type, decision, float_modules=floats)
+        try:
+            record.quant_modules = dict(_quantize_group(model, group, decision, config))
+        except UnsupportedError as exc:
+            record.quant_type, record.reason = "FLOAT", str(exc)
+            logger.warning("keeping %s float: %s", group.name, exc)
+        layer_records.append(record)
+    return list(reversed(layer_records))
+
+
+def place_layer(model: nn.Module, records: Iterable[GroupRecord]) -> None:
+    """Step 3 of one layer: put every quantized group in place (the float modules
+    of ``"FLOAT"`` groups stay). Done only after every decision of the layer: a
+    fold changes an earlier group's float weights, which its own quantization
+    must see."""
+    for record in records:
+        if record.quant_type != "FLOAT":
+            swap_group(model, record.quant_modules)
+
+
+#: ``choose_float(model, layer, records, scan inputs)``: marks groups of one layer
+#: ``"FLOAT"`` before they are put in place (the layer-local fallback).
+FloatChooser = Callable[
+    [nn.Module, nn.Module, list[GroupRecord], list[LayerInputs]], None
+]
+
+
+def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
+    for i, (hidden, kwargs, mask) in enumerate(inputs):
+        out = layer(hidden, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        inputs[i] = (out.detach(), kwargs, mask)
+
+
+@torch.no_grad()
 def quantize_linears(
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
     config: LinearConfig,
     *,
     progress: Any = None,
+    scan_batches: Iterable[dict[str, torch.Tensor]] = (),
+    choose_float: FloatChooser | None = None,
 ) -> LinearResult:
     """Quantize every planned linear of ``model`` in place, layer by layer (see the
     module doc). ``batches``: tokenized calibration batches (``input_ids``,
-    ``attention_mask``, ``position_ids``). ``progress`` (a bar) advances per layer.
+    ``attention_mask``, ``position_ids``). With ``choose_float`` the
+    ``scan_batches`` are carried through the layers too and ``choose_float`` picks
+    each layer's float groups on them before the layer's outputs are computed.
+    ``progress`` (a bar) advances per layer.
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
@@ -308,76 +458,24 @@ def quantize_linears(
     batches = list(batches)
     if not batches:
         raise InputError("no calibration batches for the linear calibration")
-    inputs = _capture_inputs(model, layers[0], batches)
+    inputs = capture_layer_inputs(model, layers[0], batches)
+    scan = (
+        capture_layer_inputs(model, layers[0], scan_batches)
+        if choose_float is not None
+        else []
+    )
     records: list[GroupRecord] = []
-    dynamic = config.quant_type == "W8A8_DYNAMIC"
     for plan in plans:
         layer = layers[plan.index]
-        stats: dict[str, InputStats] = {}
-        current: dict[str, torch.Tensor] = {}
-        handles = []
-        for gi, group in enumerate(plan.groups):
-            first = model.get_submodule(group.linears[0])
-            st = InputStats(
-                first.in_features, rows=config.search_rows, seed=config.seed + gi
-            )
-            stats[group.name] = st
-
-            def hook(
-                _m: nn.Module,
-                args: tuple,
-                st: InputStats = st,
-                current: dict[str, torch.Tensor] = current,
-            ) -> None:
-                st.update(_real_rows(args[0], current["mask"]))
-
-            handles.append(first.register_forward_pre_hook(hook))
-        try:
-            for hidden, kwargs, mask in inputs:
-                current["mask"] = mask
-                layer(hidden, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-        layer_records = []
-        for group in reversed(plan.groups):
-            weight = torch.cat(
-                [model.get_submodule(n).weight.detach() for n in group.linears]
-            )
-            decision = decide_group(
-                weight,
-                stats[group.name],
-                dynamic=dynamic,
-                dtype=config.dtype,
-                alphas=config.alphas if group.smoothable else (None,),
-                clips=config.clips,
-                tie=group.tie,
-                head_dim=group.head_dim,
-            )
-            if decision.smooth is not None:
-                _apply_smoothing(model, group, decision.smooth)
-            floats = {n: model.get_submodule(n) for n in group.linears}
-            record = GroupRecord(
-                group, config.quant_type, decision, float_modules=floats
-            )
-            try:
-                record.quant_modules = dict(
-                    _quantize_group(model, group, decision, config)
-                )
-            except UnsupportedError as exc:
-                record.quant_type, record.reason = "FLOAT", str(exc)
-                logger.warning("keeping %s float: %s", group.name, exc)
-            layer_records.append(record)
-        for record in layer_records:
-            # Swap only after every decision of the layer: a fold changes an
-            # earlier group's float weights, which its own quantization must see.
-            if record.quant_type != "FLOAT":
-                swap_group(model, record.quant_modules)
-        records += reversed(layer_records)
-        for i, (hidden, kwargs, mask) in enumerate(inputs):
-            out = layer(hidden, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
-            inputs[i] = (out.detach(), kwargs, mask)
+        stats = observe_layer(model, plan, layer, inputs, config)
+        layer_records = decide_layer(model, plan, stats, config)
+        if scan and choose_float is not None:
+            choose_float(model, layer, layer_records, scan)
+        place_layer(model, layer_records)
+        records += layer_records
+        _propagate(layer, inputs)
+        if scan:
+            _propagate(layer, scan)
         if progress is not None:
             progress.update(1)
     return LinearResult(config, records, {"quantize": time.perf_counter() - t0})

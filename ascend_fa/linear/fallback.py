@@ -1,34 +1,53 @@
-"""Keep the most sensitive linear groups float, ranked by a measured KL scan.
+"""Keep the most sensitive linear groups float, by one of two criteria.
 
-The scan data are a few calibration samples; the groups scanned are the
-``scan_candidates`` with the largest layer-local output error (all when 0). The
-reference is the float model's next-token distribution on the scan data (taken
-before any linear is quantized). With every
+**layer** (the default, :class:`LayerFallback`): layer-local, so a streaming
+calibration holding one decoder layer decides exactly what the whole-model path
+decides. On the scan data (a few calibration samples carried through the layers
+like the calibration data), with the layer's groups smoothed and quantized, the
+layer's **relative output error** is ``E = Σ ||y_q - y_f||² / Σ ||y_f - x||²``
+over real tokens: ``x`` the layer's input, ``y_f`` its output with every group
+float (after smoothing, exact in float), ``y_q`` with the groups quantized. It is
+the error of what the layer adds to the residual stream, relative to what it adds,
+so it compares across layers and models. Each group's **gain** is how much ``E``
+drops when that group alone is float. While ``E > layer_budget`` the group with
+the largest positive gain is kept float (and ``E`` measured again), as long as
+the float linears of the whole model stay within the cap: ``fallback = N`` at most
+``N`` linears, ``"auto"`` at most ``max_float_fraction`` of them. Layers are
+decided in order, so the cap is filled by the first layers that need it.
+
+**kl** (an explicit option, :func:`apply_fallback`): needs whole-model logits, so
+only the whole-model path can run it. The scan data are a few calibration
+samples; the groups scanned are the ``scan_candidates`` with the largest sample
+output error (all when 0). The reference is the float model's next-token
+distribution on the scan data (taken before any linear is quantized). With every
 group quantized, each group in turn is put back to float and the mean per-token
-``KL(float || quantized)`` is measured; the group's **gain** is how much KL that
-removes. Groups are kept float in order of gain:
-
-* ``fallback = N`` — groups while the number of float linears stays ``<= N``;
-* ``fallback = "auto"`` — groups until the measured KL of the whole quantized model
-  is at most ``budget``, never more than ``max_float_fraction`` of the linears.
-
-This criterion needs whole-model logits; it is the one decision of the W8A8
-calibration that is not layer-local.
+``KL(float || quantized)`` is measured; the group's gain is how much KL that
+removes. Groups are kept float in order of gain: ``fallback = N`` while the number
+of float linears stays ``<= N``; ``"auto"`` until the measured KL of the whole
+quantized model is at most ``budget``, never more than ``max_float_fraction`` of
+the linears.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from ascend_fa.metrics import token_kl
 
-from .engine import GroupRecord, LinearResult, swap_group
+from .engine import GroupRecord, LayerInputs, LinearConfig, LinearResult, swap_group
 
-__all__ = ["apply_fallback", "mean_kl", "reference_logits"]
+__all__ = [
+    "LayerFallback",
+    "apply_fallback",
+    "float_cap",
+    "layer_error",
+    "mean_kl",
+    "reference_logits",
+]
 
 
 @torch.no_grad()
@@ -113,3 +132,98 @@ def apply_fallback(
     result.scan_kl = kl
     result.seconds["fallback"] = time.perf_counter() - t0
     return result
+
+
+def float_cap(config: LinearConfig, num_linears: int) -> int:
+    """Most linears the fallback may keep float: ``N`` or, for ``"auto"``,
+    ``max_float_fraction`` of ``num_linears``."""
+    if config.fallback == "auto":
+        return int(config.max_float_fraction * num_linears)
+    return int(config.fallback)
+
+
+def _layer_outputs(layer: nn.Module, scan: Sequence[LayerInputs]) -> list[torch.Tensor]:
+    outs = []
+    for hidden, kwargs, _mask in scan:
+        out = layer(hidden, **kwargs)
+        outs.append((out[0] if isinstance(out, tuple) else out).detach())
+    return outs
+
+
+def layer_error(
+    scan: Sequence[LayerInputs],
+    ref: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+) -> float:
+    """``Σ ||out - ref||² / Σ ||ref - x||²`` over the real tokens of ``scan``
+    (``x`` the layer inputs), summed in float64; 0 when the layer adds nothing."""
+    num = den = 0.0
+    for (hidden, _kwargs, mask), r, o in zip(scan, ref, outs, strict=True):
+        m = mask.to(r.device)
+        r64 = r[m].double()
+        num += float((o[m].double() - r64).square().sum())
+        den += float((r64 - hidden[m].double()).square().sum())
+    return num / den if den > 0 else 0.0
+
+
+class LayerFallback:
+    """The layer-local criterion (see the module doc), one decoder layer per call.
+
+    ``num_linears`` is the number of planned linears of the whole model (it sizes
+    the ``"auto"`` cap); ``floats`` counts the linears kept float so far (a resumed
+    run starts from the count of the layers already done). ``errors`` records each
+    layer's final relative output error, keyed by its first group's layer prefix.
+    """
+
+    def __init__(self, config: LinearConfig, num_linears: int, floats: int = 0):
+        self.config = config
+        self.cap = float_cap(config, num_linears)
+        self.floats = floats
+        self.errors: dict[str, float] = {}
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        model: nn.Module,
+        layer: nn.Module,
+        records: list[GroupRecord],
+        scan: list[LayerInputs],
+    ) -> list[str]:
+        """Mark the chosen groups of ``layer`` ``"FLOAT"`` (before they are put in
+        place); returns their names. ``scan``: the layer's scan inputs."""
+        live = [r for r in records if r.quant_type != "FLOAT"]
+        if not scan or not live:
+            return []
+        for r in records:
+            swap_group(model, r.float_modules)
+        ref = _layer_outputs(layer, scan)
+
+        def error(floats: set[int]) -> float:
+            for i, r in enumerate(live):
+                swap_group(model, r.float_modules if i in floats else r.quant_modules)
+            return layer_error(scan, ref, _layer_outputs(layer, scan))
+
+        chosen: set[int] = set()
+        err = error(chosen)
+        for i, r in enumerate(live):
+            r.layer_gain = err - error({i})
+        order = sorted(range(len(live)), key=lambda i: -(live[i].layer_gain or 0.0))
+        for i in order:
+            if err <= self.config.layer_budget:
+                break
+            r = live[i]
+            n = len(r.group.linears)
+            if self.floats + n > self.cap or (r.layer_gain or 0.0) <= 0:
+                continue
+            chosen.add(i)
+            self.floats += n
+            r.quant_type = "FLOAT"
+            r.reason = (
+                f"fallback: layer output error {err:.5f} > budget "
+                f"{self.config.layer_budget}; group gain {r.layer_gain:.5f}"
+            )
+            err = error(chosen)
+        for r in records:  # leave the layer float; place_layer swaps what stays
+            swap_group(model, r.float_modules)
+        self.errors[records[0].group.name.rsplit(".", 2)[0]] = err
+        return [live[i].group.name for i in sorted(chosen)]

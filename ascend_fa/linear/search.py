@@ -61,6 +61,32 @@ class InputStats:
         pick = torch.randperm(x.shape[0], generator=self._gen)[: self.rows]
         self._parts.append(x[torch.unique(torch.cat([top, pick]))])
 
+    def skip(self, rows: int) -> None:
+        """Draw what an update of ``rows`` real-token rows draws, adding nothing: a
+        data-parallel rank skips the other ranks' batches this way, so that every
+        rank's random picks are those of one process seeing all batches."""
+        if rows > 0:
+            torch.randperm(rows, generator=self._gen)
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The row sets kept so far, one per update with data (in update order)."""
+        return list(self._parts)
+
+    def adopt(
+        self,
+        parts: list[torch.Tensor],
+        cmin: torch.Tensor,
+        cmax: torch.Tensor,
+        tokens: int,
+    ) -> None:
+        """Replace the running state with ``parts`` (update order), the per-channel
+        ``cmin`` / ``cmax`` ``[K]`` and the token count of all data (the union of
+        every rank's updates); the random state is kept."""
+        self._parts = [p.float().cpu() for p in parts]
+        self.cmin, self.cmax = cmin.float().cpu(), cmax.float().cpu()
+        self.tokens = int(tokens)
+
     def sample(self) -> torch.Tensor:
         """``[R', K]``: the ``top`` rows of largest ``max |x|`` and random others,
         at most ``rows + top`` rows."""

@@ -40,6 +40,7 @@ from .format import (
     vllm_kv_name,
 )
 from .inspect import inspect_artifact, natural_key, scale_findings
+from .lazy import LazyTensors, TensorSpec, write_safetensors
 from .merge import check_merge_export
 from .output import atomic_output_dir, check_output_dir, is_own_artifact
 from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
@@ -58,6 +59,7 @@ from .writer import (
     checkpoint_tensors,
     export_artifact,
     fa_tensors,
+    hf_checkpoint_names,
     linear_quant_type,
     merge_into,
     parse_size,
@@ -73,6 +75,9 @@ __all__ = [
     "DEFAULT_TARGET",
     "KVScaleMap",
     "KV_STRATEGIES",
+    "LazyTensors",
+    "TensorSpec",
+    "write_safetensors",
     "LINEAR_QUANT_TYPES",
     "TARGETS",
     "VLLM_KV_TENSOR",
@@ -80,6 +85,7 @@ __all__ = [
     "check_merge_export",
     "check_target",
     "checkpoint_tensors",
+    "hf_checkpoint_names",
     "linear_quant_type",
     "read_kv_scales",
     "recorded_target",

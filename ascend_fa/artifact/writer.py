@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from .format import (
     disk_scale,
     fa_tensor_name,
 )
+from .lazy import LazyTensors, write_safetensors
 from .output import atomic_output_dir
 from .reader import read_tensor_index
 from .targets import (
@@ -73,6 +74,7 @@ __all__ = [
     "checkpoint_state_dict",
     "checkpoint_tensors",
     "CheckpointTensors",
+    "hf_checkpoint_names",
     "linear_quant_type",
     "export_artifact",
     "merge_into",
@@ -184,7 +186,7 @@ def linear_quant_type(types: Mapping[str, str] | list[str]) -> str:
     return "FLOAT"
 
 
-def _hf_checkpoint_names(
+def hf_checkpoint_names(
     model: torch.nn.Module, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """transformers' own mapping from in-memory names back to checkpoint names (what
@@ -201,6 +203,7 @@ def checkpoint_tensors(
     dtype: torch.dtype | None = None,
     *,
     tied_copies: bool = False,
+    keep: Callable[[str], bool] | None = None,
 ) -> CheckpointTensors:
     """The model's tensors under their checkpoint names, ready for safetensors.
 
@@ -211,17 +214,23 @@ def checkpoint_tensors(
     floating tensors are cast to ``dtype``, names go through transformers'
     checkpoint mapping (fused MoE experts are split per expert), and each is typed
     ``"FLOAT"``. Tied copies (``model.all_tied_weights_keys``) are dropped, or
-    written as their own copy with ``tied_copies``.
+    written as their own copy with ``tied_copies``. ``keep(name)`` limits it to
+    the state_dict entries and quantized modules it accepts (a streaming export
+    takes one decoder layer at a time).
     """
     quantized = {
         name: m
         for name, m in model.named_modules()
-        if name and callable(getattr(m, "export_tensors", None))
+        if name
+        and callable(getattr(m, "export_tensors", None))
+        and (keep is None or keep(name + "."))
     }
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     floats: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, t in model.state_dict().items():
+        if keep is not None and not keep(name):
+            continue
         if any(f".{b}." in f".{name}" for b in FA_BRANCHES):
             continue
         if any(name.startswith(q + ".") for q in quantized):
@@ -236,7 +245,7 @@ def checkpoint_tensors(
             t = t.clone()
         seen.add(key)
         floats[name] = t.contiguous()
-    tensors = _hf_checkpoint_names(model, floats)
+    tensors = hf_checkpoint_names(model, floats)
     types = dict.fromkeys(tensors, "FLOAT")
     for qname, module in quantized.items():
         quant_type = str(getattr(module, "quant_type", ""))
@@ -282,34 +291,40 @@ def _nbytes(t: torch.Tensor) -> int:
 def _write_shards(
     directory: Path, tensors: Mapping[str, torch.Tensor], max_shard_bytes: int
 ) -> list[str]:
-    """Greedy shards in insertion order; one file -> no index. Returns file names."""
+    """Greedy shards in insertion order; one file -> no index. Returns file names.
+    A :class:`LazyTensors` is written one tensor at a time (same shards)."""
+    lazy = isinstance(tensors, LazyTensors)
+    sizes = {
+        name: tensors.nbytes(name) if lazy else _nbytes(t)
+        for name, t in (((n, None) for n in tensors) if lazy else tensors.items())
+    }
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = _nbytes(t)
+    for name, n in sizes.items():
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += n
     metadata = {"format": "pt"}
+
+    def write(names: list[str], path: Path) -> None:
+        if lazy:
+            write_safetensors(path, tensors, names, metadata)
+        else:
+            save_file({k: tensors[k] for k in names}, str(path), metadata=metadata)
+
     if len(shards) == 1:
-        save_file(
-            {k: tensors[k] for k in shards[0]},
-            str(directory / WEIGHTS_NAME),
-            metadata=metadata,
-        )
+        write(shards[0], directory / WEIGHTS_NAME)
         return [WEIGHTS_NAME]
     stem = WEIGHTS_NAME.removesuffix(".safetensors")
     files, weight_map = [], {}
     for i, names in enumerate(shards, start=1):
         fname = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(
-            {k: tensors[k] for k in names}, str(directory / fname), metadata=metadata
-        )
+        write(names, directory / fname)
         files.append(fname)
         weight_map.update(dict.fromkeys(names, fname))
-    total = sum(_nbytes(t) for t in tensors.values())
+    total = sum(sizes.values())
     write_json(
         directory / WEIGHTS_INDEX_NAME,
         {"metadata": {"total_size": total}, "weight_map": weight_map},
@@ -413,7 +428,11 @@ def export_artifact(
         raise ValueError(
             f"quantization tensor names collide with model tensors: {clash[:3]}"
         )
-    tensors: dict[str, torch.Tensor] = {**state_dict, **extra}
+    tensors: Mapping[str, torch.Tensor] = (
+        state_dict.with_extra(extra)
+        if isinstance(state_dict, LazyTensors)
+        else {**state_dict, **extra}
+    )
     shard_bytes = parse_size(max_shard_size)
     with atomic_output_dir(output, overwrite=overwrite, force=force) as tmp:
         _write_shards(tmp, tensors, shard_bytes)

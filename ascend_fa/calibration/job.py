@@ -180,6 +180,32 @@ def _check_locations(
             check_output_dir(merge_into, overwrite=True, force=True)
 
 
+def _check_streaming(
+    streaming: bool,
+    *,
+    merge_into: str | Path | None,
+    clip_search: bool,
+    criterion: str | None,
+    max_memory: str | int | None,
+) -> None:
+    """What ``--streaming`` cannot do, refused before anything loads."""
+    from ascend_fa.artifact import parse_size
+
+    if not streaming:
+        raise InputError("--max-memory bounds a --streaming run; add --streaming")
+    if merge_into is not None:
+        raise InputError("--streaming writes its own artifact; drop --merge-into")
+    if clip_search:
+        raise InputError("--clip-search keeps whole-model samples; drop --streaming")
+    if criterion == "kl":
+        raise InputError(
+            "--linear-fallback-criterion kl ranks groups by whole-model logits, "
+            "which a --streaming run never holds; use the layer criterion"
+        )
+    if max_memory is not None:
+        parse_size(max_memory)
+
+
 def calibrate(
     model: str | Path | None = None,
     *,
@@ -207,6 +233,8 @@ def calibrate(
     linear: str | None = None,
     linear_fallback: int | str = "auto",
     linear_fallback_criterion: str = "layer",
+    streaming: bool = False,
+    max_memory: str | int | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
@@ -220,7 +248,10 @@ def calibrate(
     ``linear_fallback`` keeps that many linears float (``"auto"``: by an error
     budget). ``linear_fallback_criterion``: ``"layer"`` (default: layer-local,
     what a streaming run can decide) or ``"kl"`` (whole-model logits). With
-    ``merge_into`` the export's own linears are kept.
+    ``merge_into`` the export's own linears are kept. ``streaming`` keeps one
+    decoder layer in memory, loaded from the checkpoint's shards
+    (:mod:`ascend_fa.streaming`; the same artifact); ``max_memory`` (bytes or
+    ``"64GB"``) refuses a streaming run whose estimated peak exceeds it.
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -275,6 +306,14 @@ def calibrate(
         )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, src_config)
+    if streaming or max_memory is not None:
+        _check_streaming(
+            streaming,
+            merge_into=merge_into,
+            clip_search=clip_search,
+            criterion=linear_fallback_criterion if linear_type != "FLOAT" else None,
+            max_memory=max_memory,
+        )
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
     calib, held = split_calibration(texts, num_samples, heldout, seed)
@@ -283,8 +322,21 @@ def calibrate(
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    loaded = load_model(model, gguf_file, cache=cache)
-    net = loaded.model.to(device)
+    streamed = None
+    if streaming:
+        from ascend_fa.streaming import open_streamed
+
+        assert output is not None
+        work = Path(output).parent / f".{Path(output).name}.streaming"
+        loaded, streamed = open_streamed(model, work, device=device)
+        if max_memory is not None:
+            streamed.check_memory(
+                artifact.parse_size(max_memory), len(calib), max_length
+            )
+        net = loaded.model
+    else:
+        loaded = load_model(model, gguf_file, cache=cache)
+        net = loaded.model.to(device)
     seconds["load"] = time.perf_counter() - t0
     mla = net.config.model_type == "deepseek_v3"
     artifact.check_target(
@@ -304,22 +356,24 @@ def calibrate(
 
         # Linears first, so the FA / KV scales are calibrated with them active;
         # scales are made representable in the artifact dtype.
-        linear_result = calibrate_linears(
-            net,
-            loaded.tokenizer,
-            calib,
-            LinearConfig(
-                linear_type,
-                art_dtype,
-                fallback=linear_fallback,
-                seed=seed,
-                criterion=linear_fallback_criterion,
-            ),
-            max_length=max_length,
-            batch_size=batch_size,
-            device=device,
-            progress=progress,
-        )
+        spill = streamed.spilling() if streamed else contextlib.nullcontext()
+        with spill:
+            linear_result = calibrate_linears(
+                net,
+                loaded.tokenizer,
+                calib,
+                LinearConfig(
+                    linear_type,
+                    art_dtype,
+                    fallback=linear_fallback,
+                    seed=seed,
+                    criterion=linear_fallback_criterion,
+                ),
+                max_length=max_length,
+                batch_size=batch_size,
+                device=device,
+                progress=progress,
+            )
     kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
     kv = None
     if kv_mode is not None:
@@ -438,8 +492,11 @@ def calibrate(
         # A GGUF-loaded config has no architectures; loaders dispatch on it.
         config["architectures"] = config.get("architectures") or [type(net).__name__]
         config.pop("_name_or_path", None)
-        ckpt = artifact.checkpoint_tensors(
-            net, art_dtype, tied_copies=target in artifact.ASCEND_TARGETS
+        tied_copies = target in artifact.ASCEND_TARGETS
+        ckpt = (
+            streamed.checkpoint_tensors(art_dtype, tied_copies=tied_copies)
+            if streamed is not None
+            else artifact.checkpoint_tensors(net, art_dtype, tied_copies=tied_copies)
         )
         dest = artifact.export_artifact(
             output,
@@ -460,6 +517,8 @@ def calibrate(
             overwrite=overwrite,
             force=force,
         )
+    if streamed is not None:
+        streamed.close()
     return CalibrationResult(
         output=Path(dest),
         fa_quant_type=quant_kind,

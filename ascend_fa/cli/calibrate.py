@@ -143,6 +143,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "auto (default): at most 10%% of the linears",
     )
     parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="keep one decoder layer in memory, read from the checkpoint's "
+        "safetensors shards (BF16/F32, or DeepSeek FP8 blocks dequantized as they "
+        "load); the same artifact as without it, memory independent of depth",
+    )
+    parser.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="with --streaming: refuse up front when the estimated peak memory "
+        "exceeds SIZE (e.g. 64GB)",
+    )
+    parser.add_argument(
         "--linear-fallback-criterion",
         choices=("layer", "kl"),
         default="layer",
@@ -182,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         linear=args.linear,
         linear_fallback=args.linear_fallback,
         linear_fallback_criterion=args.linear_fallback_criterion,
+        streaming=args.streaming,
+        max_memory=args.max_memory,
     )
     for line in result.summary_lines():
         print(line)

@@ -235,7 +235,9 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> ShardHeader:
         size = os.fstat(f.fileno()).st_size
         try:
             head = f.read(8)
-            if head.startswith(_PICKLE_MAGIC):
+            # A header length of 640 (0x280 ...) also starts with b"\x80\x02":
+            # a safetensors header is JSON, so its first byte tells them apart.
+            if head.startswith(_PICKLE_MAGIC) and f.read(1) != b"{":
                 raise FP8FormatError(
                     "a pickled PyTorch checkpoint, not safetensors; it is not read "
                     "(unpickling can run arbitrary code): convert it to "
@@ -254,6 +256,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> ShardHeader:
                     f"not fit in {size} bytes)",
                     path=p,
                 )
+            f.seek(8)
             raw = f.read(n)
         except OSError as exc:
             raise FP8FormatError(f"cannot read: {exc.strerror}", path=p) from None

@@ -109,6 +109,7 @@ def calibrate_linears(
             progress=progress,
             scan_batches=scan,
             choose_float=chooser,
+            keep_floats=False,
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)

@@ -435,13 +435,16 @@ def quantize_linears(
     progress: Any = None,
     scan_batches: Iterable[dict[str, torch.Tensor]] = (),
     choose_float: FloatChooser | None = None,
+    keep_floats: bool = True,
 ) -> LinearResult:
     """Quantize every planned linear of ``model`` in place, layer by layer (see the
     module doc). ``batches``: tokenized calibration batches (``input_ids``,
     ``attention_mask``, ``position_ids``). With ``choose_float`` the
     ``scan_batches`` are carried through the layers too and ``choose_float`` picks
     each layer's float groups on them before the layer's outputs are computed.
-    ``progress`` (a bar) advances per layer.
+    ``progress`` (a bar) advances per layer. ``keep_floats=False`` drops each
+    layer's module sets from its records once the layer is placed (nothing after
+    the loop puts a group back to float; memory then does not grow with depth).
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
@@ -472,6 +475,9 @@ def quantize_linears(
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)
         place_layer(model, layer_records)
+        if not keep_floats:
+            for record in layer_records:
+                record.release()
         records += layer_records
         _propagate(layer, inputs)
         if scan:

@@ -59,6 +59,37 @@ def _checkpoint(path: Path, model_type: str, **over) -> Path:
     return path
 
 
+def _add_mtp(src: Path) -> list[str]:
+    """An MTP layer ``model.layers.<N>.*`` in its own shard, as the official
+    DeepSeek-V3 checkpoint has one: layer N-1's tensors plus ``enorm``, ``hnorm``,
+    ``eh_proj`` and ``shared_head.norm``."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    n, hidden = config["num_hidden_layers"], config["hidden_size"]
+    last = f"model.layers.{n - 1}."
+    mtp: dict[str, torch.Tensor] = {}
+    for name, shard in index["weight_map"].items():
+        if name.startswith(last):
+            t = load_file(str(src / shard))[name]
+            mtp[f"model.layers.{n}." + name[len(last) :]] = t.clone()
+    gen = torch.Generator().manual_seed(1)
+    for part, shape in (
+        ("enorm.weight", [hidden]),
+        ("hnorm.weight", [hidden]),
+        ("eh_proj.weight", [hidden, 2 * hidden]),
+        ("shared_head.norm.weight", [hidden]),
+    ):
+        mtp[f"model.layers.{n}.{part}"] = torch.randn(shape, generator=gen).to(
+            torch.bfloat16
+        )
+    save_file(mtp, str(src / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    config["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(config))
+    return sorted(mtp)
+
+
 def _data(tmp_path: Path) -> Path:
     p = tmp_path / "calib.jsonl"
     p.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -135,12 +166,13 @@ def test_streaming_w8a8_equals_whole_model(tmp_path):
 
 @pytest.mark.slow
 def test_streaming_deepseek_fp8_source_equals_dequantized_whole_model(tmp_path):
-    """DeepSeek-V3 (dense first layer, routed + shared experts, MLA) stored as FP8
-    blocks: streaming from the FP8 shards == the whole-model path on the
-    ``fp8 dequantize`` copy == streaming that copy."""
+    """DeepSeek-V3 (dense first layer, routed + shared experts, MLA, an MTP layer)
+    stored as FP8 blocks: streaming from the FP8 shards == the whole-model path on
+    the ``fp8 dequantize`` copy, MTP tensors carried through."""
     from ascend_fa.fp8 import dequantize_checkpoint, quantize_checkpoint
 
     src = _checkpoint(tmp_path / "src", "deepseek_v3", num_hidden_layers=3)
+    mtp = _add_mtp(src)
     fp8 = tmp_path / "fp8"
     quantize_checkpoint(src, fp8, progress=False)
     byte_tokenizer().save_pretrained(fp8)
@@ -151,8 +183,16 @@ def test_streaming_deepseek_fp8_source_equals_dequantized_whole_model(tmp_path):
     whole = _run(deq, tmp_path / "whole", tmp_path, **kw)
     streamed = _run(fp8, tmp_path / "stream", tmp_path, streaming=True, **kw)
     _assert_same_artifact(whole.output, streamed.output)
-    experts = [n for n in _tensors(streamed.output) if ".mlp.experts.3." in n]
+    written = _tensors(streamed.output)
+    experts = [n for n in written if ".mlp.experts.3." in n]
     assert experts, "routed experts are written per expert, as in the checkpoint"
+    # the MTP layer is carried through (not calibrated: no module runs it)
+    desc = json.loads((streamed.output / "quant_model_description.json").read_text())
+    assert set(mtp) <= set(written)
+    assert {desc[n] for n in mtp} == {"FLOAT"}
+    deq_mtp = _tensors(deq)
+    for name in mtp:
+        assert torch.equal(written[name], deq_mtp[name]), name
 
 
 def _cli(src: Path, out: Path, tmp_path: Path, *extra: str) -> list[str]:

@@ -56,7 +56,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     ``specs`` fixes the names (in order), shapes and dtypes; a loaded tensor that
     differs from its spec is a bug and raises. ``extra`` tensors (already in
-    memory) follow the lazy ones, like ``{**lazy, **extra}`` would.
+    memory) follow the lazy ones, like ``{**lazy, **extra}`` would; :meth:`then`
+    appends another lazy mapping.
     """
 
     def __init__(
@@ -65,28 +66,42 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         load: Callable[[str], torch.Tensor],
         extra: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self.specs = dict(specs)
-        self._load = load
-        self._extra = dict(extra or {})
-        for name, t in self._extra.items():
-            self.specs[name] = TensorSpec(tuple(t.shape), t.dtype)
+        self.specs: dict[str, TensorSpec] = {}
+        self._loader: dict[str, Callable[[str], torch.Tensor]] = {}
+        self._add(specs, load)
+        if extra:
+            self._add(
+                {n: TensorSpec(tuple(t.shape), t.dtype) for n, t in extra.items()},
+                dict(extra).__getitem__,
+            )
+
+    def _add(
+        self, specs: Mapping[str, TensorSpec], load: Callable[[str], torch.Tensor]
+    ) -> None:
+        for name, spec in specs.items():
+            if name in self.specs:
+                raise ValueError(f"{name}: written twice")
+            self.specs[name] = spec
+            self._loader[name] = load
+
+    def then(self, other: LazyTensors) -> LazyTensors:
+        """These tensors followed by ``other``'s (names must not repeat)."""
+        out = LazyTensors({}, self._loader.get)
+        out.specs, out._loader = dict(self.specs), dict(self._loader)
+        for name, spec in other.specs.items():
+            out._add({name: spec}, other._loader[name])
+        return out
 
     def with_extra(self, extra: Mapping[str, torch.Tensor]) -> LazyTensors:
-        """These tensors followed by ``extra`` (names must not repeat)."""
-        return LazyTensors(
-            {n: s for n, s in self.specs.items() if n not in self._extra},
-            self._load,
-            {**self._extra, **extra},
-        )
+        """These tensors followed by the in-memory ``extra`` ones."""
+        return self.then(LazyTensors({}, dict(extra).__getitem__, extra))
 
     def nbytes(self, name: str) -> int:
         return self.specs[name].nbytes
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self._extra:
-            return self._extra[name]
         spec = self.specs[name]
-        t = self._load(name)
+        t = self._loader[name](name)
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
             raise RuntimeError(
                 f"{name}: produced {tuple(t.shape)} {t.dtype}, planned "

@@ -180,6 +180,24 @@ def _check_locations(
             check_output_dir(merge_into, overwrite=True, force=True)
 
 
+def _with_carried(ckpt: Any, source_dir: Path, config: Any, dtype: Any) -> Any:
+    """``ckpt`` followed by the checkpoint's layers past the decoder stack (the
+    DeepSeek-V3 MTP layer, :mod:`ascend_fa.streaming.carry`), typed FLOAT."""
+    from ascend_fa.artifact import CheckpointTensors, LazyTensors
+    from ascend_fa.streaming.carry import carried_tensors
+
+    carried = carried_tensors(source_dir, int(config.num_hidden_layers), dtype)
+    if not len(carried):
+        return ckpt
+    tensors = (
+        ckpt.tensors.then(carried)
+        if isinstance(ckpt.tensors, LazyTensors)
+        else {**ckpt.tensors, **{n: carried[n] for n in carried}}
+    )
+    types = {**ckpt.types, **dict.fromkeys(carried, "FLOAT")}
+    return CheckpointTensors(tensors, types, ckpt.model_quant_type)
+
+
 def _check_streaming(
     streaming: bool,
     *,
@@ -498,6 +516,8 @@ def calibrate(
             if streamed is not None
             else artifact.checkpoint_tensors(net, art_dtype, tied_copies=tied_copies)
         )
+        if mla and not loaded.gguf_file:
+            ckpt = _with_carried(ckpt, loaded.source_dir, net.config, art_dtype)
         dest = artifact.export_artifact(
             output,
             state_dict=ckpt.tensors,

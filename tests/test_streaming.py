@@ -225,6 +225,7 @@ def _index(src: Path) -> dict:
 
 def test_bad_shards_end_in_one_line_naming_the_file(tmp_path, capsys):
     src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=2)
+    capsys.readouterr()  # the checkpoint writer's progress
     out = tmp_path / "out"
     index = _index(src)
     shard = index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
@@ -259,6 +260,7 @@ def test_bad_shards_end_in_one_line_naming_the_file(tmp_path, capsys):
 
 def test_a_tensor_the_model_needs_is_missing(tmp_path, capsys):
     src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=2)
+    capsys.readouterr()  # the checkpoint writer's progress
     index = _index(src)
     name = "model.layers.0.self_attn.k_proj.weight"
     shard = index["weight_map"].pop(name)
@@ -276,6 +278,7 @@ def test_a_tensor_the_model_needs_is_missing(tmp_path, capsys):
 
 def test_streaming_refusals(tmp_path, capsys):
     src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=2)
+    capsys.readouterr()  # the checkpoint writer's progress
     out = tmp_path / "out"
     cases = [
         (
@@ -326,3 +329,18 @@ def test_lazy_tensors_write_readable_safetensors(tmp_path):
     bad = LazyTensors({"a": TensorSpec((3, 4), torch.bfloat16)}, load)
     with pytest.raises(RuntimeError, match="planned"):
         bad["a"]
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=2)
+    capsys.readouterr()  # the checkpoint writer's progress
+    out = tmp_path / "out"
+    assert main(_cli(src, out, tmp_path, "--dry-run")) == 0
+    printed = capsys.readouterr().out
+    assert "plan: 2 decoder layers" in printed
+    assert "  layer 1: " in printed and ".safetensors" in printed
+    assert "peak memory estimate" in printed and "disk: spill 0.00 GiB" in printed
+    assert not out.exists() and not list(tmp_path.glob(".*streaming*"))
+    whole = [a for a in _cli(src, out, tmp_path, "--dry-run") if a != "--streaming"]
+    assert main(whole) == 2
+    assert "--dry-run plans a --streaming run" in capsys.readouterr().err

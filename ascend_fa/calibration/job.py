@@ -29,7 +29,12 @@ import torch
 
 from ascend_fa.errors import InputError
 
-__all__ = ["CalibrationResult", "calibrate", "default_recipe_path"]
+__all__ = [
+    "CalibrationResult",
+    "calibrate",
+    "default_recipe_path",
+    "streaming_plan",
+]
 
 
 def default_recipe_path() -> Path:
@@ -178,6 +183,43 @@ def _check_locations(
     if merge_into is not None:
         if output is None:
             check_output_dir(merge_into, overwrite=True, force=True)
+
+
+def streaming_plan(
+    model: str | Path | None,
+    *,
+    streaming: bool,
+    num_samples: int = 32,
+    max_length: int = 512,
+    heldout: int = 4,
+    target: str | None = None,
+    linear: str | None = None,
+) -> Any:
+    """``calibrate --streaming --dry-run``: the :class:`~ascend_fa.streaming.plan.
+    StreamPlan` of that run (layers, shard reads, peak memory, disk), computing
+    nothing and writing nothing."""
+    from ascend_fa import artifact
+    from ascend_fa.streaming import plan_streaming
+
+    if not streaming:
+        raise InputError("--dry-run plans a --streaming run; add --streaming")
+    _check_positive(num_samples=num_samples, max_length=max_length)
+    if model is None or not Path(model).is_dir():
+        raise InputError(
+            "--streaming reads a Hugging Face checkpoint directory's safetensors "
+            "shards; pass --model DIR"
+        )
+    src_config = _source_config(model)
+    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
+    target = artifact.resolve_target(target)
+    linear = linear or _default_linear(target, mla)
+    return plan_streaming(
+        model,
+        num_samples=num_samples,
+        max_length=max_length,
+        heldout=heldout,
+        linear=linear != "none",
+    )
 
 
 def _with_carried(ckpt: Any, source_dir: Path, config: Any, dtype: Any) -> Any:

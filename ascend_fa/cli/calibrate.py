@@ -157,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exceeds SIZE (e.g. 64GB)",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --streaming: print the plan (layers, shard reads, peak memory "
+        "estimate, disk needed) without computing or writing anything",
+    )
+    parser.add_argument(
         "--linear-fallback-criterion",
         choices=("layer", "kl"),
         default="layer",
@@ -168,7 +174,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ascend_fa.calibration.job import calibrate
+    from ascend_fa.calibration.job import calibrate, streaming_plan
+
+    if args.dry_run:
+        plan = streaming_plan(
+            args.model,
+            streaming=args.streaming,
+            num_samples=args.num_samples,
+            max_length=args.max_length,
+            heldout=args.heldout,
+            target=args.target,
+            linear=args.linear,
+        )
+        for line in plan.lines():
+            print(line)
+        return 0
 
     result = calibrate(
         args.model,

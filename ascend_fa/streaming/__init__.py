@@ -17,8 +17,9 @@ from ascend_fa.errors import FileFormatError, InputError
 from ascend_fa.models import LoadedModel, check_model_files
 
 from .model import Source, StreamedModel
+from .plan import StreamPlan, plan_streaming
 
-__all__ = ["Source", "StreamedModel", "open_streamed"]
+__all__ = ["Source", "StreamPlan", "StreamedModel", "open_streamed", "plan_streaming"]
 
 
 def open_streamed(

@@ -64,7 +64,8 @@ def _is_fa(name: str) -> bool:
 
 class StreamedModel:
     """The skeleton of the HF checkpoint at ``source_dir`` with one decoder layer
-    resident at a time (see the module doc). ``work_dir`` receives spill files.
+    resident at a time (see the module doc). ``work_dir`` receives spill files;
+    ``load=False`` reads no tensor data (the skeleton and checks only: a plan).
 
     Raises :class:`~ascend_fa.errors.FileFormatError` naming the file when a shard
     or the index is unreadable, a tensor the model needs is missing, or a tensor's
@@ -78,6 +79,7 @@ class StreamedModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        load: bool = True,
     ) -> None:
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -116,6 +118,9 @@ class StreamedModel:
         self.resident: int | None = None
         self.spilled: set[int] = set()
         self._spill = False
+        if not load:  # a plan only (--dry-run): headers read, no tensor data
+            self._handles = []
+            return
         self._load_keys([k for k in self.sources if self.layer_of(k) is None])
         model.tie_weights()
         self._handles = [

@@ -7,7 +7,8 @@ packaged held-out prose and code texts, one row per recipe:
 * **W8A8 RTN** — the round-to-nearest baseline: per-tensor min/max activation
   ranges, no smoothing, no fallback;
 * **W8A8 default** — what ``calibrate --linear w8a8`` does (layer-sequential,
-  smoothing and range searched per group, automatic KL fallback);
+  smoothing and range searched per group, automatic fallback by the layer-local
+  criterion, or the whole-model KL scan with ``--fallback-criterion kl``);
 * **W8A8_DYNAMIC** — ``--linear w8a8_dynamic`` with the same machinery.
 
 Every quantized row also has FAQuant attention calibrated after its linears (as
@@ -55,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", choices=sorted(_DTYPES), default="bf16", help="artifact dtype"
     )
+    parser.add_argument(
+        "--fallback-criterion",
+        choices=("layer", "kl"),
+        default="layer",
+        help="the linear fallback's criterion (calibrate's "
+        "--linear-fallback-criterion; default layer)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         run_forwards(net, batches())
         plain = time.perf_counter() - t
 
-    scan = dict(scan_samples=2, scan_tokens=64) if args.quick else {}
+    scan: dict[str, Any] = dict(scan_samples=2, scan_tokens=64) if args.quick else {}
+    scan["criterion"] = getattr(args, "fallback_criterion", "layer")
     variants: dict[str, LinearConfig | None] = {
         "FAQuant only (float linears)": None,
         "W8A8 RTN (per-tensor min/max) + FAQuant": LinearConfig.round_to_nearest(

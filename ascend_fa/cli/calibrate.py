@@ -171,10 +171,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--streaming) or kl (a one-at-a-time KL scan of whole-model logits, "
         "stopping at a KL budget; needs the whole model in memory)",
     )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the result (artifact, timings, summary, held-out "
+        "perplexity) as JSON",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.job import calibrate, streaming_plan
+    from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
+    from ascend_fa.tables import strict_json
 
     if args.dry_run:
         plan = streaming_plan(
@@ -189,6 +198,14 @@ def run(args: argparse.Namespace) -> int:
         for line in plan.lines():
             print(line)
         return 0
+    if args.json:  # refused now, not after the run
+        check_output_file(args.json, what="--json")
+        inputs = {
+            "--model": args.model,
+            "--output": args.output,
+            "--merge-into": args.merge_into,
+        }
+        check_disjoint(args.json, inputs, flag="--json")
 
     result = calibrate(
         args.model,
@@ -221,4 +238,6 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in result.summary_lines():
         print(line)
+    if args.json:
+        write_file(args.json, strict_json(result.to_dict()))
     return 0

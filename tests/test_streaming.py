@@ -339,7 +339,9 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "plan: 2 decoder layers" in printed
     assert "  layer 1: " in printed and ".safetensors" in printed
-    assert "peak memory estimate" in printed and "disk: spill 0.00 GiB" in printed
+    assert (
+        "peak memory estimate" in printed and "disk: spill at most 0.00 GiB" in printed
+    )
     assert not out.exists() and not list(tmp_path.glob(".*streaming*"))
     whole = [a for a in _cli(src, out, tmp_path, "--dry-run") if a != "--streaming"]
     assert main(whole) == 2

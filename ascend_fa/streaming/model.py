@@ -30,6 +30,8 @@ read.
 from __future__ import annotations
 
 import re
+import shutil
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,6 +93,10 @@ class StreamedModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.reader = CheckpointReader(self.source_dir)
+        # Spill files go with this object, also when a run fails part way.
+        self._cleanup = weakref.finalize(
+            self, shutil.rmtree, str(self.work_dir), ignore_errors=True
+        )
         config = AutoConfig.from_pretrained(self.source_dir)
         if getattr(config, "quantization_config", None) is not None:
             # FP8 block weights are dequantized as they load: the model is float.
@@ -116,7 +122,8 @@ class StreamedModel:
             self.sources[key] = self._source(key)
         self._check_shapes(model.state_dict())
         self.resident: int | None = None
-        self.spilled: set[int] = set()
+        #: layer -> names of its tensors held by its spill file
+        self.spilled: dict[int, set[str]] = {}
         self._spill = False
         if not load:  # a plan only (--dry-run): headers read, no tensor data
             self._handles = []
@@ -254,28 +261,47 @@ class StreamedModel:
         return self.work_dir / f"layer-{i:05d}.safetensors"
 
     def load_layer(self, i: int) -> None:
-        """Materialize decoder layer ``i`` (from its spill file when it has one)."""
-        if i in self.spilled:
+        """Materialize decoder layer ``i``: the tensors its spill file holds from
+        there, every other one from the shards."""
+        spilled = self.spilled.get(i, set())
+        if spilled:
             from safetensors import safe_open
 
             with safe_open(str(self._spill_path(i)), framework="pt") as f:
                 for key in f.keys():
                     self._set(key, f.get_tensor(key).to(self.device))
-        else:
-            self._load_keys([k for k in self.sources if k.startswith(self.prefix[i])])
+        self._load_keys(
+            [k for k in self._layer_state(i) if k not in spilled and k in self.sources]
+        )
+
+    def _as_loaded(self, key: str, t: torch.Tensor) -> bool:
+        """Whether ``t`` is still exactly what loading ``key`` gives (re-read and
+        compared bit for bit: nothing is assumed about what calibration changed)."""
+        if key not in self.sources:
+            return False
+        src = self._read(key)
+        if tuple(src.shape) != tuple(t.shape) or not t.is_floating_point():
+            return False
+        src = src.to(t.device, t.dtype)
+        return torch.equal(
+            src.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+        )
 
     def evict_layer(self, i: int) -> None:
-        """Put decoder layer ``i``'s tensors back on the meta device (spilled first
-        while :meth:`spilling`)."""
+        """Put decoder layer ``i``'s tensors back on the meta device. While
+        :meth:`spilling`, the tensors that differ from the checkpoint (smoothed,
+        quantized) are saved first; the unchanged ones (routed experts ...) are
+        read from the shards again when the layer comes back."""
         state = self._layer_state(i)
         if self._spill:
             from ascend_fa.artifact import write_safetensors
 
+            changed = {k: t for k, t in state.items() if not self._as_loaded(k, t)}
             self.work_dir.mkdir(parents=True, exist_ok=True)
             tmp = self._spill_path(i).with_suffix(".tmp")
-            write_safetensors(tmp, state, list(state))
+            write_safetensors(tmp, changed, list(changed))
             tmp.replace(self._spill_path(i))
-            self.spilled.add(i)
+            self.spilled[i] = set(changed)
         for key, t in state.items():
             self._set(key, torch.empty_like(t, device="meta"))
 
@@ -307,12 +333,10 @@ class StreamedModel:
 
     def close(self) -> None:
         """Remove the hooks and the spill files (the run is over)."""
-        import shutil
-
         for h in self._handles:
             h.remove()
         self._handles = []
-        shutil.rmtree(self.work_dir, ignore_errors=True)
+        self._cleanup()
 
     # -- memory -------------------------------------------------------------
 

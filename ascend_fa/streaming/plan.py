@@ -58,8 +58,8 @@ class StreamPlan:
             f"{gib(self.resident_bytes)}; largest layer in fp32: "
             f"{gib(self.layer_bytes)}",
             f"peak memory estimate: {gib(self.peak_bytes)}",
-            f"disk: spill {gib(self.spill_bytes)} (removed at the end), artifact "
-            f"at most {gib(self.artifact_bytes)}",
+            f"disk: spill at most {gib(self.spill_bytes)} (removed at the end), "
+            f"artifact at most {gib(self.artifact_bytes)}",
         ]
         if self.carried:
             out.append(

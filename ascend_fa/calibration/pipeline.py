@@ -274,6 +274,7 @@ def calibrate_linears(
             config,
             scan_batches=scan,
             progress=bar,
+            keep_floats=False,
         )
     finally:
         if bar is not None:

@@ -88,6 +88,7 @@ def calibrate_linears(
     *,
     scan_batches: Iterable[dict[str, torch.Tensor]] = (),
     progress: Any = None,
+    keep_floats: bool = True,
 ) -> LinearResult:
     """Quantize ``model``'s linears in place on the calibration ``batches`` (layer
     by layer) and keep the most sensitive groups float as ``config.fallback`` says,
@@ -95,7 +96,10 @@ def calibrate_linears(
     ``config.criterion == "layer"`` each layer's groups are chosen before the
     layer's outputs go on (:class:`LayerFallback`); with ``"kl"`` the scan data's
     float logits are taken first and the whole quantized model is scanned after
-    (:func:`apply_fallback`). ``progress`` (a bar) advances per layer."""
+    (:func:`apply_fallback`). ``progress`` (a bar) advances per layer.
+    ``keep_floats=False`` (criterion ``"layer"``) drops the records' module copies
+    as each layer is placed: memory then does not grow with depth, and the result
+    can no longer put groups back to float."""
     scan = list(scan_batches) if config.fallback != 0 else []
     if config.criterion == "layer":
         chooser = None
@@ -109,7 +113,7 @@ def calibrate_linears(
             progress=progress,
             scan_batches=scan,
             choose_float=chooser,
-            keep_floats=False,
+            keep_floats=keep_floats,
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)

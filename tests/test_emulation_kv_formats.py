@@ -199,6 +199,40 @@ def test_fp8_artifact_matches_independent_fake_quant(tmp_path, per_head):
         assert float((a - b).abs().max()) <= ATOL
 
 
+@pytest.mark.parametrize("mode", ["c8", "fp8_kv"])
+def test_dynamic_scales_come_from_the_prompt(mode, monkeypatch):
+    """Without an artifact each layer takes its scales from the prompt's K / V
+    (per channel / 127 for C8, per head / 448 for FP8) and keeps them for decode."""
+    import ascend_fa.emulation.runtime as runtime
+
+    model = _tiny()
+    ids = _ids(33)
+    seen = []
+    real = runtime.reshape_and_cache
+
+    def record(key, value, *args, **kw):
+        seen.append((key.clone(), value.clone()))
+        real(key, value, *args, **kw)
+
+    monkeypatch.setattr(runtime, "reshape_and_cache", record)
+    with enable_paged_int8_attention(model, mode=mode, block_size=32) as rt:
+        got = _paged_steps(rt, ids, 3)
+        scales = [rt.layer_scales(i) for i in range(2)]
+    for layer in range(2):
+        key, value = seen[layer]  # the prompt's K / V [S, Hkv, D] of this layer
+        for side, x in (("k", key), ("v", value)):
+            if mode == "c8":
+                want = (x.abs().amax(dim=0) / 127).clamp(min=2.0**-23)
+            else:
+                want = (x.abs().amax(dim=(0, 2)) / 448).clamp(
+                    min=torch.finfo(torch.float32).tiny
+                )
+            torch.testing.assert_close(scales[layer][side], want, rtol=0, atol=0)
+    want = _reference_steps(model, ids, 3, mode, scales)
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).abs().max()) <= ATOL
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_c8_cache_codes_bit_equal_a_naive_loop(dtype, monkeypatch):
     """The codes the runtime writes for a prompt and a decode step, element by

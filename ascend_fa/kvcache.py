@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .atb_ops import FP8_KV_DTYPE
 from .backends import Backend, get_backend
 from .backends.base import ATTENTION_MODES, KV_LAYOUTS
 
@@ -59,8 +60,9 @@ class PagedKVCache:
         head_dim: ``D`` (``R`` for MLA).
         num_blocks: ``NB`` blocks per cache; ``block_size``: ``BS`` tokens per block.
         dtype: the model's activation dtype (float caches, and the MLA rope cache).
-        mode: ``"float"``, ``"int8_kv"``, ``"faquant"`` (int8 caches) or
-            ``"fakquant"`` (MLA, int8 latent).
+        mode: ``"float"``, ``"int8_kv"``, ``"faquant"`` (int8 caches),
+            ``"fakquant"`` (MLA, int8 latent) or ``"fp8_kv"`` (float8_e4m3fn
+            caches).
         backend: name or instance; default :func:`~ascend_fa.backends.get_backend`.
         layout: override the backend's preferred layout (``"nz"`` or ``"nd"``).
         mla: allocate MLA caches (latent + rope) instead of K + V.
@@ -100,7 +102,7 @@ class PagedKVCache:
             raise ValueError(
                 f"PagedKVCache: mode must be one of {ATTENTION_MODES}, got {mode!r}"
             )
-        if mla and mode in ("int8_kv", "faquant"):
+        if mla and mode in ("int8_kv", "faquant", "fp8_kv"):
             raise ValueError(
                 f"PagedKVCache: MLA caches take mode 'float' or 'fakquant', "
                 f"got {mode!r}"
@@ -139,7 +141,11 @@ class PagedKVCache:
         self.mla = mla
         self.rope_dim = rope_dim if mla else 0
         self.dtype = dtype
-        self.cache_dtype = torch.int8 if mode != "float" else dtype
+        self.cache_dtype = (
+            dtype
+            if mode == "float"
+            else (FP8_KV_DTYPE if mode == "fp8_kv" else torch.int8)
+        )
         self.device = (
             torch.device(device) if device is not None else self.backend.device
         )

@@ -21,7 +21,11 @@ Modes (chosen by which scales are given; ``g = H // Hkv``):
 
 * ``float``: float caches, ``scores = scale * q.k``;
 * ``int8_kv`` (antiquant): int8 caches with ``k_scale``/``v_scale`` ``[Hkv]``,
-  ``k = codes * k_scale[h // g]``;
+  ``k = codes * k_scale[h // g]``, or ``[Hkv, D]`` (C8, per channel), ``k[.., d] =
+  codes * s[h // g, d]`` with ``s`` held in the query dtype as the device holds it
+  (:func:`~.quant.c8_held_scale`); each of K and V may take either form;
+* ``fp8_kv``: float8_e4m3fn caches with ``k_scale``/``v_scale`` ``[1]`` or
+  ``[Hkv]`` (vLLM), ``k = float(codes) * k_scale``;
 * ``faquant``: also ``q_scale`` ``[H]``; the query is quantized statically per head,
   ``scores = (q_codes . k_codes) * q_scale[h] * k_scale[h // g] * scale``;
 * MLA ``fakquant``: int8 latent with ``k_scale`` ``[1]`` (V is the same latent);
@@ -36,7 +40,10 @@ the result is cast to the query dtype. The probabilities are *not* requantized (
 Ascend kernels do that internally; the selftest tolerance covers it). Per-head scales
 are constant along the contraction, so the kernel applies them to the ``[g, L]``
 scores and ``[g, D]`` outputs instead of dequantizing the whole ``[L, D]`` cache:
-the same product up to one fp32 rounding, at ``1/D`` of the work.
+the same product up to one fp32 rounding, at ``1/D`` of the work. A per-channel K
+scale varies along the contraction, so it is folded into the query instead
+(``(q * s_k) . codes``), and a per-channel V scale multiplies the ``[g, D]``
+output channel by channel: again the same sums up to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -50,11 +57,13 @@ import torch
 from .cache import (
     FLOAT_DTYPES,
     cache_geometry,
+    check_kv_scale,
     check_layout,
     check_scale,
     nz_width_message,
 )
-from .constants import INT8_MAX, INT8_MIN, SCALE_EPS, c0
+from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, SCALE_EPS, c0
+from .quant import c8_held_scale
 
 __all__ = [
     "PagedAttentionInfo",
@@ -96,6 +105,8 @@ class PagedAttentionInfo:
 def attention_mode(
     cache_dtype: torch.dtype, q_scale: torch.Tensor | None, mla: bool = False
 ) -> str:
+    if cache_dtype == FP8_KV_DTYPE:
+        return "fp8_kv"
     if cache_dtype != torch.int8:
         return "float"
     if mla:
@@ -363,12 +374,25 @@ def check_paged_attention(
             f"{tuple(key_cache.shape)}) but num_kv_heads*D = "
             f"{num_kv_heads}*{d} = {num_kv_heads * d}"
         )
-    if key_cache.dtype == torch.int8:
+    if key_cache.dtype in (torch.int8, FP8_KV_DTYPE):
         if k_scale is None or v_scale is None:
-            raise ValueError(f"{fn}: int8 caches need k_scale and v_scale [Hkv]")
-        check_scale(fn, "k_scale", k_scale, num_kv_heads, query.device)
-        check_scale(fn, "v_scale", v_scale, num_kv_heads, query.device)
+            want = "[1] or [Hkv]" if key_cache.dtype == FP8_KV_DTYPE else "[Hkv]"
+            raise ValueError(
+                f"{fn}: {key_cache.dtype} caches need k_scale and v_scale {want}"
+            )
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_kv_scale(fn, name, t, key_cache.dtype, num_kv_heads, d, query.device)
         if q_scale is not None:
+            if key_cache.dtype == FP8_KV_DTYPE:
+                raise ValueError(
+                    f"{fn}: q_scale is given but the caches are float8_e4m3fn; "
+                    "an FP8 KV cache is read with a float query"
+                )
+            if k_scale.dim() == 2 or v_scale.dim() == 2:
+                raise ValueError(
+                    f"{fn}: q_scale (FAQuant) takes per-head k_scale / v_scale "
+                    "[Hkv]; per-channel [Hkv, D] scales (C8) go with a float query"
+                )
             check_scale(fn, "q_scale", q_scale, h, query.device)
     else:
         for name, val in (
@@ -454,10 +478,15 @@ def check_mla_attention(
             f"{fn}: rope_cache holds {rgeo.width} features per token "
             f"(shape {tuple(rope_cache.shape)}) but q_rope has Dr = {dr}"
         )
-    if rope_cache.dtype == torch.int8:
+    if rope_cache.dtype in (torch.int8, FP8_KV_DTYPE):
         raise ValueError(
             f"{fn}: rope_cache must be a float cache (the RoPE part is never "
-            "quantized), got int8"
+            f"quantized), got {rope_cache.dtype}"
+        )
+    if latent_cache.dtype == FP8_KV_DTYPE:
+        raise ValueError(
+            f"{fn}: latent_cache is float8_e4m3fn; MLA caches are float or int8 "
+            "(FAKQuant)"
         )
     if (lgeo.num_blocks, lgeo.block_size) != (rgeo.num_blocks, rgeo.block_size):
         raise ValueError(
@@ -625,6 +654,19 @@ def _causal_mask(
     return torch.arange(n_ctx, device=device).unsqueeze(0) > pos
 
 
+def _kv_scale(
+    scale: torch.Tensor | None, hkv: int, query_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """A K/V scale as the fp32 factor the kernels apply: ``[Hkv, 1]`` per head
+    (a ``[1]`` FP8 scale broadcast over the heads) or ``[Hkv, D]`` per channel, the
+    latter held in the query dtype as the device holds C8 scales."""
+    if scale is None:
+        return None
+    if scale.dim() == 2:
+        return c8_held_scale(scale, query_dtype)
+    return scale.float().expand(hkv).reshape(hkv, 1)
+
+
 def _gqa_decode_group(
     qop, coef, v_scale, key_cache, value_cache, blocks, lens, hkv, layout, ws
 ):
@@ -653,7 +695,7 @@ def _gqa_decode_group(
     probs = torch.softmax(scores.view(b_sz * hkv, g, n_ctx), dim=-1)
     o = torch.bmm(probs, v.view(b_sz * hkv, n_ctx, d)).view(b_sz, hkv, g, d)
     if v_scale is not None:
-        o.mul_(v_scale.view(1, hkv, 1, 1))
+        o.mul_(v_scale.view(1, hkv, 1, -1))
     return o.reshape(b_sz, h, d)
 
 
@@ -675,18 +717,23 @@ def _gqa_attention(
     b_sz, s_len, h, d = query.shape
     hkv = num_kv_heads
     g = h // hkv
+    ks = _kv_scale(k_scale, hkv, query.dtype)
+    vsc = _kv_scale(v_scale, hkv, query.dtype)
     if q_scale is not None:
         qop = _quantize(query, q_scale.view(1, 1, h))
-        coef = q_scale * k_scale.repeat_interleave(g) * scale
+        coef = q_scale * ks.view(hkv).repeat_interleave(g) * scale
+    elif ks is not None and ks.shape[1] > 1:
+        # per channel: s_k varies along the contraction, so fold it into the query
+        qop = query.float() * ks.repeat_interleave(g, dim=0).view(1, 1, h, d)
+        coef = torch.full((h,), float(scale), device=query.device)
     else:
         qop = query.float()
         coef = (
-            k_scale.repeat_interleave(g) * scale
-            if k_scale is not None
+            ks.view(hkv).repeat_interleave(g) * scale
+            if ks is not None
             else torch.full((h,), float(scale), device=query.device)
         )
     coef = coef.float().view(hkv, g, 1, 1)
-    vsc = v_scale.float() if v_scale is not None else None
     out = torch.zeros(b_sz, s_len, h, d, dtype=torch.float32, device=query.device)
     lens = seq_lens.tolist()
     qlens = query_lens.tolist() if query_lens is not None else [s_len] * b_sz
@@ -732,7 +779,7 @@ def _gqa_attention(
             probs = torch.softmax(scores.view(hkv, g * m, n_ctx), dim=-1)
             o = torch.bmm(probs, v)
             if vsc is not None:
-                o.mul_(vsc.view(hkv, 1, 1))
+                o.mul_(vsc.view(hkv, 1, -1))
             out[b, i0:i1] = o.view(hkv, g, m, d).permute(2, 0, 1, 3).reshape(m, h, d)
     return out
 
@@ -1009,6 +1056,14 @@ def _softmax_rows(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1)
 
 
+def _dequant_scale_ref(scale: torch.Tensor, query_dtype: torch.dtype) -> torch.Tensor:
+    """The factor of ``codes [L, Hkv, D]`` in fp64: per channel ``[1, Hkv, D]``
+    (the scale rounded to the query dtype first), else ``[1, Hkv or 1, 1]``."""
+    if scale.dim() == 2:
+        return scale.to(query_dtype).double().unsqueeze(0)
+    return scale.double().view(1, -1, 1)
+
+
 def prefill_attention_ref(
     query,
     key_cache,
@@ -1048,8 +1103,8 @@ def prefill_attention_ref(
         k = ks.double().view(n_ctx, num_kv_heads, d)
         v = vs.double().view(n_ctx, num_kv_heads, d)
         if k_scale is not None:
-            k = k * k_scale.double().view(1, -1, 1)
-            v = v * v_scale.double().view(1, -1, 1)
+            k = k * _dequant_scale_ref(k_scale, query.dtype)
+            v = v * _dequant_scale_ref(v_scale, query.dtype)
         k, v = k.to(cd), v.to(cd)
         mask = torch.arange(n_ctx).unsqueeze(0) > torch.arange(
             n_ctx - n_q, n_ctx

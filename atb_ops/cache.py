@@ -11,9 +11,21 @@ layout  cache shape                     element ``(s, c)`` at
 ``nd``  ``[NB, BS, Hkv, D]``            ``[s // BS, s % BS, c // D, c % D]``
 ======  ==============================  ==========================================
 
-With ``k_scale`` / ``v_scale`` (``[Hkv]`` fp32) the caches are int8 and hold
-``quantize_per_head(key, k_scale, axis=1)``; otherwise they hold the key dtype
-unchanged. MLA (:func:`check_reshape_and_cache_mla`) writes the latent ``[T, R]`` as a
+The scales (fp32) decide what the caches hold:
+
+=================  ==============  ===================================================
+``k_scale``        cache dtype     codes (:mod:`.quant` has the numerics and why)
+=================  ==============  ===================================================
+None               the key dtype   the key unchanged
+``[Hkv]``          int8            ``quantize_per_head(key, k_scale, axis=1)``: fp32
+                                   divide (``npu_quantize(div_mode=True)``)
+``[Hkv, D]``       int8            C8, per channel ``c = h*D + d``:
+                                   ``c8_codes(key, k_scale)`` (vllm-ascend's write:
+                                   reciprocal and product in the key dtype)
+``[1]``/``[Hkv]``  float8_e4m3fn   ``fp8_codes(key, k_scale)``: ``key / s`` saturated
+                                   at +-448, cast (vLLM's FP8 cache)
+=================  ==============  ===================================================
+ MLA (:func:`check_reshape_and_cache_mla`) writes the latent ``[T, R]`` as a
 one-head cache (int8 with ``k_scale`` ``[1]``) and the RoPE part ``[T, Dr]``
 unquantized.
 
@@ -38,15 +50,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
+from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
+from .quant import c8_codes, fp8_codes
 
 __all__ = [
     "FLOAT_DTYPES",
+    "KV_CACHE_DTYPES",
     "KV_LAYOUTS",
     "CacheGeometry",
     "cache_geometry",
     "check_layout",
     "check_scale",
+    "check_kv_scale",
+    "kv_scale_kind",
     "check_reshape_and_cache",
     "check_reshape_and_cache_mla",
     "nz_width_message",
@@ -56,6 +72,8 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: Every dtype a paged K/V cache may have: float, int8 (per head or C8), FP8 E4M3.
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8, FP8_KV_DTYPE)
 KV_LAYOUTS = ("nz", "nd")
 
 
@@ -95,10 +113,10 @@ def cache_geometry(fn: str, name: str, cache: object, layout: str) -> CacheGeome
             f"{fn}: {name} must be a 4-D {layout} cache {want}, got shape "
             f"{tuple(cache.shape)}"
         )
-    if cache.dtype not in (*FLOAT_DTYPES, torch.int8):
+    if cache.dtype not in KV_CACHE_DTYPES:
         raise ValueError(
-            f"{fn}: {name} dtype must be float16, bfloat16, float32 or int8, "
-            f"got {cache.dtype}"
+            f"{fn}: {name} dtype must be float16, bfloat16, float32, int8 or "
+            f"float8_e4m3fn, got {cache.dtype}"
         )
     if not cache.is_contiguous():
         raise ValueError(
@@ -115,7 +133,8 @@ def cache_geometry(fn: str, name: str, cache: object, layout: str) -> CacheGeome
     else:
         nb, bs, h, d = cache.shape
         width = h * d
-    align = 32 if cache.dtype == torch.int8 else NZ_ROW_ALIGN
+    # 1-byte caches (int8, fp8) keep 32-row blocks: one 32x32-byte fractal
+    align = 32 if cache.element_size() == 1 else NZ_ROW_ALIGN
     if bs % align:
         raise ValueError(
             f"{fn}: {name} block size {bs} is not a multiple of {align} "
@@ -158,6 +177,47 @@ def check_scale(
             f"{fn}: {name} must be finite and > 0, got {float(scale[idx])} "
             f"at index {idx}"
         )
+
+
+def kv_scale_kind(scale: torch.Tensor | None, cache_dtype: torch.dtype) -> str:
+    """How a validated K/V scale applies: ``"none"`` (float cache), ``"head"``
+    (int8 ``[Hkv]``), ``"channel"`` (C8 ``[Hkv, D]``) or ``"fp8"``."""
+    if scale is None:
+        return "none"
+    if cache_dtype == FP8_KV_DTYPE:
+        return "fp8"
+    return "channel" if scale.dim() == 2 else "head"
+
+
+def check_kv_scale(
+    fn: str,
+    name: str,
+    scale: object,
+    cache_dtype: torch.dtype,
+    heads: int,
+    dim: int,
+    device: torch.device,
+) -> None:
+    """A K or V cache scale for a ``cache_dtype`` cache of ``heads`` x ``dim``:
+    int8 takes ``[Hkv]`` (per head) or ``[Hkv, D]`` (C8, per channel ``h*D + d``),
+    float8_e4m3fn ``[1]`` (per tensor) or ``[Hkv]`` (per head); fp32, finite, > 0."""
+    if isinstance(scale, torch.Tensor):
+        if cache_dtype == FP8_KV_DTYPE:
+            shapes = [(1,), (heads,)]
+            want = f"[1] or [{heads}] (FP8: per tensor, or per head [Hkv])"
+        else:
+            shapes = [(heads,), (heads, dim)]
+            want = (
+                f"[{heads}] or [{heads}, {dim}] ([Hkv] per head, [Hkv, D] per channel)"
+            )
+        if tuple(scale.shape) not in shapes:
+            raise ValueError(
+                f"{fn}: {name} must have shape {want} for a {cache_dtype} cache, "
+                f"got {tuple(scale.shape)}"
+            )
+        check_scale(fn, name, scale.reshape(-1), scale.numel(), device)
+        return
+    check_scale(fn, name, scale, heads, device)
 
 
 def _check_float(fn: str, name: str, x: object, rank: int, want: str) -> torch.Tensor:
@@ -257,17 +317,18 @@ def check_reshape_and_cache(
             "or both be None (float cache)"
         )
     if k_scale is not None:
-        check_scale(fn, "k_scale", k_scale, hkv, key.device)
-        check_scale(fn, "v_scale", v_scale, hkv, key.device)
-        if key_cache.dtype != torch.int8:
+        if key_cache.dtype not in (torch.int8, FP8_KV_DTYPE):
             raise ValueError(
-                f"{fn}: k_scale/v_scale given, so key_cache must be int8, got "
-                f"{key_cache.dtype}"
+                f"{fn}: k_scale/v_scale given, so key_cache must be int8 or "
+                f"float8_e4m3fn, got {key_cache.dtype}"
             )
+        check_kv_scale(fn, "k_scale", k_scale, key_cache.dtype, hkv, d, key.device)
+        check_kv_scale(fn, "v_scale", v_scale, key_cache.dtype, hkv, d, key.device)
     elif key_cache.dtype != key.dtype:
         raise ValueError(
             f"{fn}: key_cache dtype {key_cache.dtype} differs from key dtype "
-            f"{key.dtype} (pass k_scale and v_scale for an int8 cache)"
+            f"{key.dtype} (pass k_scale and v_scale for an int8 or float8_e4m3fn "
+            "cache)"
         )
     if layout == "nd":
         if tuple(key_cache.shape[2:]) != (hkv, d):
@@ -417,6 +478,21 @@ def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         part.round_().clamp_(INT8_MIN, INT8_MAX)
         out[start : start + step].copy_(part)
     return out
+
+
+def _encode(
+    x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype
+) -> torch.Tensor:
+    """What the cache stores for ``x`` ``[T, H, D]`` (see the module doc's table)."""
+    kind = kv_scale_kind(scale, cache_dtype)
+    if kind == "none":
+        return x
+    if kind == "head":
+        return _quantize_rows(x, scale)
+    shape = (1, *scale.shape, 1) if scale.dim() == 1 else (1, *scale.shape)
+    if kind == "fp8":
+        return fp8_codes(x, scale.view(shape))
+    return c8_codes(x, scale.view(shape)).to(torch.int8)
 
 
 def _word(row_bytes: int) -> torch.dtype:
@@ -599,7 +675,7 @@ def _write_all(
     for cache, x, scale in writes:
         if keep is not None:
             x = x.index_select(0, keep)
-        rows = _quantize_rows(x, scale) if scale is not None else x
+        rows = _encode(x, scale, cache.dtype)
         rows = rows.reshape(x.shape[0], -1).contiguous()
         if plan is None:
             _scatter_tokens(cache, rows, slots, layout)
@@ -677,16 +753,50 @@ def _put_token_ref(
         cache[blk, r, c // d, c % d] = row.to(cache.dtype)
 
 
-def _quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Golden codes of ``x`` ``[T, H, D]``: the fp32 quotient by the head's scale,
-    rounded half to even by hand (floor, then the fraction decides) and saturated;
-    no ``torch.round`` (the kernels use it)."""
-    quot = x.float() / scale.float().view(1, -1, 1)
+def _round_half_even_ref(quot: torch.Tensor) -> torch.Tensor:
+    """Round half to even by hand (floor, then the fraction decides) and saturate
+    to int8; no ``torch.round`` (the kernels use it)."""
     low = torch.floor(quot)
     frac = quot - low
     odd = torch.remainder(low, 2) == 1
     up = (frac > 0.5) | ((frac == 0.5) & odd)
     return torch.clamp(low + up.float(), INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def _fp8_ref(y: torch.Tensor) -> torch.Tensor:
+    """Nearest float8_e4m3fn value of every fp32 ``y`` (already within +-448), ties
+    to the even code, found by searching the 127 non-negative finite codes for
+    ``|y|`` and setting the sign bit from ``y`` (no cast of ``y``)."""
+    codes = torch.arange(127, dtype=torch.uint8)  # 0x00 .. 0x7e (0x7f is NaN)
+    values = codes.view(FP8_KV_DTYPE).float()
+    flat = y.reshape(-1, 1).float()
+    dist = (flat.abs() - values.unsqueeze(0)).abs()
+    near = dist == dist.min(dim=1, keepdim=True).values
+    even = near & (codes.unsqueeze(0) % 2 == 0)
+    pick = torch.where(
+        even.any(dim=1), even.float().argmax(dim=1), near.float().argmax(dim=1)
+    )
+    out = codes[pick] | (torch.signbit(flat.squeeze(1)).to(torch.uint8) << 7)
+    return out.view(FP8_KV_DTYPE).view(y.shape)
+
+
+def _quantize_ref(
+    x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype = torch.int8
+) -> torch.Tensor:
+    """Golden codes of ``x`` ``[T, H, D]`` for each scale form of the module doc,
+    written from the rules (fp32 / fp64 arithmetic, hand rounding), not from the
+    kernels' helpers."""
+    if cache_dtype == FP8_KV_DTYPE:
+        quot = x.float() / scale.float().view(1, -1, 1)
+        return _fp8_ref(torch.clamp(quot, -448.0, 448.0))
+    if scale.dim() == 2:
+        # C8: scale held in the key dtype, its reciprocal rounded to that dtype, the
+        # product (exact in fp64) rounded to that dtype
+        held = scale.to(x.dtype)
+        inv = (1.0 / held.float()).to(x.dtype)
+        prod = (x.double() * inv.double().unsqueeze(0)).to(x.dtype)
+        return _round_half_even_ref(prod.double())
+    return _round_half_even_ref(x.float() / scale.float().view(1, -1, 1))
 
 
 def token_rows_ref(cache: torch.Tensor, slot: int, layout: str) -> torch.Tensor:
@@ -718,8 +828,12 @@ def reshape_and_cache_ref(
 ) -> None:
     """Golden reference: one token at a time, in slot order, each feature placed by
     the layout table's index formula."""
-    kq = _quantize_ref(key, k_scale) if k_scale is not None else key
-    vq = _quantize_ref(value, v_scale) if v_scale is not None else value
+    kq = _quantize_ref(key, k_scale, key_cache.dtype) if k_scale is not None else key
+    vq = (
+        _quantize_ref(value, v_scale, value_cache.dtype)
+        if v_scale is not None
+        else value
+    )
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue

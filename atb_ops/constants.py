@@ -17,6 +17,7 @@ __all__ = [
     "INT8_MAX",
     "SCALE_EPS",
     "FP8_E4M3_MAX",
+    "FP8_KV_DTYPE",
     "FP8_BLOCK",
     "ACL_DTYPE_FLOAT16",
     "ACL_DTYPE_BFLOAT16",
@@ -41,6 +42,9 @@ SCALE_EPS = 2.0**-23
 
 #: Largest finite float8_e4m3fn value (OCP E4M3, as DeepSeek checkpoints use).
 FP8_E4M3_MAX = 448.0
+
+#: Cache dtype of an FP8 KV cache (vLLM ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``).
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 #: DeepSeek-V3 weight block size ``[rows, cols]``.
 FP8_BLOCK = (128, 128)

@@ -33,7 +33,27 @@ function                 what
 ``saturated``            bool mask: ``round(x / s)`` outside ``[-128, 127]``
 ``absmax_scale``         ``max(amax / 127, 2**-23)`` from an absmax tensor
 ``dynamic_fake_quant``   per-slice (e.g. per token and head) quant -> dequant
+``c8_codes``             C8 (per-channel KV) codes, vllm-ascend's write rule
+``fp8_codes``            FP8 E4M3 KV codes, vLLM's write rule
 =======================  ====================================================
+
+The two KV-cache forms follow their consumers' cache writes, not the rule above:
+
+* **C8** (vllm-ascend, per-channel ``[Hkv, D]`` scales): the scale is held in the
+  activation dtype (its weight loader casts it to the parameter dtype), its
+  reciprocal is taken in that dtype and the codes are
+  ``clamp(round_half_even(x * (1 / s)), -128, 127)`` with the product rounded to
+  the activation dtype (vllm-project/vllm-ascend@182b75ea
+  ``vllm_ascend/attention/attention_v1.py`` ``_prepare_c8_scales`` /
+  ``_quantize_kv_to_int8``; ``vllm_ascend/quantization/methods/kv_c8.py``
+  ``_c8_kv_scale_weight_loader``). For a bf16 model the rounded product can land
+  one code away from the fp32 quotient, so the fp32 rule would not reproduce the
+  deployed cache.
+* **FP8 E4M3** (vLLM, ``[1]`` or ``[Hkv]`` fp32 scales): ``x / s`` in fp32,
+  saturated at +-448, cast to ``float8_e4m3fn`` (round to nearest even); read back
+  as ``code * s`` (vllm-project/vllm@2fed15b1
+  ``csrc/quantization/fp8/nvidia/quant_utils.cuh`` ``scaled_vec_conversion``:
+  ``__nv_cvt_float_to_fp8(float(x) / scale, __NV_SATFINITE, E4M3)``).
 """
 
 from __future__ import annotations
@@ -43,11 +63,14 @@ import math
 
 import torch
 
-from .constants import INT8_MAX, INT8_MIN, SCALE_EPS
+from .constants import FP8_E4M3_MAX, FP8_KV_DTYPE, INT8_MAX, INT8_MIN, SCALE_EPS
 
 __all__ = [
     "absmax_scale",
     "dynamic_fake_quant",
+    "c8_codes",
+    "c8_held_scale",
+    "fp8_codes",
     "fake_quant_per_head",
     "int8_codes",
     "saturated",
@@ -138,6 +161,35 @@ def saturated(x: torch.Tensor, scale: torch.Tensor, axis: int = 1) -> torch.Tens
     )
     q = torch.round(x.float() / s)
     return (q > INT8_MAX) | (q < INT8_MIN)
+
+
+def c8_held_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The C8 scale as the device holds it: rounded to the activation ``dtype``,
+    returned as fp32 values (exact) for the dequantization ``code * s``."""
+    return scale.to(dtype).to(torch.float32)
+
+
+def c8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """C8 codes of ``x`` (in ``x``'s dtype, integral values in ``[-128, 127]``).
+
+    ``scale`` broadcasts against ``x`` (per channel ``[Hkv, D]`` viewed to fit).
+    vllm-ascend's write: the scale cast to ``x``'s dtype, ``1.0 / s`` in that dtype,
+    ``x * inv`` rounded to that dtype, then round half to even and saturate (see
+    the module doc for the citation).
+    """
+    inv = 1.0 / scale.to(device=x.device, dtype=x.dtype)
+    return torch.clamp(torch.round(x * inv), INT8_MIN, INT8_MAX)
+
+
+def fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 E4M3 codes of ``x``: ``float8_e4m3fn(clamp(x.float() / s, +-448))``.
+
+    ``scale`` fp32 broadcasts against ``x``. Saturating first matters: the cast
+    itself turns out-of-range values into NaN, where vLLM's cache write saturates.
+    """
+    s = scale.to(device=x.device, dtype=torch.float32)
+    y = torch.clamp(x.float() / s, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return y.to(FP8_KV_DTYPE)
 
 
 def dynamic_fake_quant(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..atb_ops import c0, nz_cache_shape
+from ..atb_ops import FP8_KV_DTYPE, c0, nz_cache_shape
 from ..atb_ops.attention import PagedAttentionInfo
 
 __all__ = [
@@ -33,9 +33,10 @@ __all__ = [
 #: ``nz`` ``[NB, Hkv*D//C0, BS, C0]``, ``nd`` ``[NB, BS, Hkv, D]``.
 KV_LAYOUTS = ("nz", "nd")
 
-#: Attention modes: float caches; int8 KV with float query ("antiquant"); FAQuant
-#: (int8 Q, K, V, GQA/MHA); FAKQuant (int8 absorbed query and latent, DeepSeek MLA).
-ATTENTION_MODES = ("float", "int8_kv", "faquant", "fakquant")
+#: Attention modes: float caches; int8 KV with float query ("antiquant", per-head
+#: or per-channel C8 scales); FAQuant (int8 Q, K, V, GQA/MHA); FAKQuant (int8
+#: absorbed query and latent, DeepSeek MLA); FP8 E4M3 KV with float query (vLLM).
+ATTENTION_MODES = ("float", "int8_kv", "faquant", "fakquant", "fp8_kv")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Capabilities:
         {torch.float16, torch.bfloat16, torch.float32}
     )
     cache_dtypes: frozenset[torch.dtype] = frozenset(
-        {torch.float16, torch.bfloat16, torch.float32, torch.int8}
+        {torch.float16, torch.bfloat16, torch.float32, torch.int8, FP8_KV_DTYPE}
     )
     layouts: frozenset[str] = frozenset(KV_LAYOUTS)
     modes: frozenset[str] = frozenset(ATTENTION_MODES)
@@ -141,8 +142,12 @@ def cache_write_spec(
     rope_dim: int = 0,
 ) -> AttentionSpec:
     """The spec of a cache write (``reshape_and_cache`` / ``reshape_and_cache_mla``)."""
-    quantized = cache_dtype == torch.int8
-    mode = ("fakquant" if mla else "int8_kv") if quantized else "float"
+    if cache_dtype == FP8_KV_DTYPE:
+        mode = "fp8_kv"
+    elif cache_dtype == torch.int8:
+        mode = "fakquant" if mla else "int8_kv"
+    else:
+        mode = "float"
     return AttentionSpec(
         op="mla_cache_write" if mla else "cache_write",
         mode=mode,
@@ -247,7 +252,7 @@ class Backend:
                 f"block_size {spec.block_size} not supported "
                 f"(supports {sorted(caps.block_sizes)})"
             )
-        row_align = 32 if spec.cache_dtype == torch.int8 else 16
+        row_align = 32 if spec.cache_dtype in (torch.int8, FP8_KV_DTYPE) else 16
         if spec.block_size % row_align:
             reasons.append(
                 f"block_size {spec.block_size} is not a multiple of {row_align} "

@@ -772,6 +772,18 @@ RULES: tuple[Rule, ...] = (
         allowed=OneOf((torch.float16, torch.bfloat16, torch.int8)),
     ),
     Rule(
+        "npu.fp8_kv",
+        _FIA,
+        "no FP8 KV cache on the mapped paths: the fused infer attention that reads "
+        "every GQA cache takes float16 / bfloat16 / int8 / int4 K/V, no float8 "
+        "(Atlas A2 / A3), so an FP8 cache is neither written nor read",
+        _ALL,
+        _docs(_FIA, {"7.1.0": "key, lines 25-27", "26.0.0": "key, line 34"}),
+        when=(("mode", ("fp8_kv",)),),
+        field="cache_dtype",
+        allowed=OneOf((torch.float16, torch.bfloat16, torch.int8)),
+    ),
+    Rule(
         "npu.offsets",
         _FIA,
         "the mapped kernels take symmetric scales (offsets must be 0)",

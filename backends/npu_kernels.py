@@ -9,14 +9,17 @@ never from an ``if`` on the version; the rule ids in the comments are the table'
 ==============================  ====================================================
 op (``ascend_fa::``)            torch_npu calls
 ==============================  ====================================================
-``reshape_and_cache`` NZ        ``npu_quantize`` (int8), ``npu_scatter_pa_kv_cache``
-``reshape_and_cache`` ND        ``npu_quantize`` (int8), ``_npu_reshape_and_cache``
+``reshape_and_cache`` NZ        ``npu_quantize`` (int8 per head) or the C8 tensor
+                                ops (int8 per channel), ``npu_scatter_pa_kv_cache``
+``reshape_and_cache`` ND        the same quantization, ``_npu_reshape_and_cache``
 ``reshape_and_cache_mla``       the same; latent and rope in one call whose
                                 operands agree in dtype
 ``paged_attention`` float       ``npu_fused_infer_attention_score`` over the ND
                                 paged layout ``[NB, BS, Hkv*D]``
 ``paged_attention`` int8-KV     ``npu_fused_infer_attention_score`` over NZ int8,
-                                bf16 per-channel antiquant scales
+                                bf16 per-channel antiquant scales ``[Hkv, 1, D]``
+                                (per-head scales expanded over ``D``, C8 scales
+                                as they are)
 ``paged_attention`` FAQuant     ``npu_quantize``, ``_npu_paged_attention_quant``
                                 (ATB) over ND int8 caches
 ``mla_paged_attention``         ``npu_fused_infer_attention_score_v2``
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..atb_ops import INT8_MAX, INT8_MIN, c0
+from ..atb_ops import INT8_MAX, INT8_MIN, c0, c8_codes
 from ..atb_ops.attention import PagedAttentionInfo, dynamic_query_scale
 from ..atb_ops.params import (
     FusedInferAttentionParams,
@@ -138,9 +141,25 @@ def reshape_and_cache(
     if keep is not None:
         key, value = key.index_select(0, keep), value.index_select(0, keep)
     if k_scale is not None:
-        key = quantize_rows(tnpu, key, k_scale)
-        value = quantize_rows(tnpu, value, v_scale)
+        key = _quantize_kv(tnpu, key, k_scale)
+        value = _quantize_kv(tnpu, value, v_scale)
     scatter_into_cache(tnpu, release, key, value, key_cache, value_cache, slots, layout)
+
+
+def _quantize_kv(tnpu, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes of ``x`` ``[T, Hkv, D]`` for the cache.
+
+    Per head ``[Hkv]``: ``npu_quantize`` (fp32 divide). Per channel ``[Hkv, D]``
+    (C8): vllm-ascend writes its C8 cache with plain tensor ops in the activation
+    dtype, ``clamp(round(x * (1 / s)), -128, 127)`` (vllm-project/vllm-ascend
+    @182b75ea ``vllm_ascend/attention/attention_v1.py`` ``_quantize_kv_to_int8``),
+    not ``npu_quantize``; the same ops here write the bytes that consumer writes
+    (and the CPU reference, :func:`~ascend_fa.atb_ops.c8_codes`).
+    """
+    if scale.dim() == 2:
+        t, h, d = x.shape
+        return c8_codes(x, scale.view(1, h, d)).to(torch.int8)
+    return quantize_rows(tnpu, x, scale)
 
 
 def _as_bytes(x: torch.Tensor, cache: torch.Tensor):
@@ -231,12 +250,12 @@ def paged_attention(
         cols = c0(key_cache.dtype)
         key = key_cache.view(nb, hkv, d // cols, bs, cols)
         value = value_cache.view(nb, hkv, d // cols, bs, cols)
-        # [fia.int8nz.antiquant_scale] bf16, contiguous, [Hkv, 1, D] for BNSD; the
-        # per-head scale is constant over D (per-channel mode 0).
+        # [fia.int8nz.antiquant_scale] bf16, contiguous, [Hkv, 1, D] for BNSD
+        # (per-channel mode 0): a per-head scale is expanded over D, a C8 scale
+        # [Hkv, D] maps channel for channel, as vllm-ascend's _prepare_c8_scales
+        # views it (vllm-project/vllm-ascend@182b75ea attention_v1.py).
         for name, s in (("key", k_scale), ("value", v_scale)):
-            kwargs[f"{name}_antiquant_scale"] = (
-                s.to(torch.bfloat16).view(hkv, 1, 1).expand(hkv, 1, d).contiguous()
-            )
+            kwargs[f"{name}_antiquant_scale"] = _antiquant_scale(s, hkv, d)
     else:
         # [fia.pa.kv_layout] float KV as the documented ND paged layout
         # [NB, BS, Hkv*D] (the same bytes as our ND [NB, BS, Hkv, D]).
@@ -251,6 +270,15 @@ def paged_attention(
         **kwargs,
     )
     return out.reshape(b, h, d)
+
+
+def _antiquant_scale(scale: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
+    """FIA's per-channel antiquant scale ``[Hkv, 1, D]`` bf16 contiguous from a
+    per-head ``[Hkv]`` or per-channel ``[Hkv, D]`` scale."""
+    s = scale.to(torch.bfloat16)
+    if s.dim() == 2:
+        return s.view(hkv, 1, d).contiguous()
+    return s.view(hkv, 1, 1).expand(hkv, 1, d).contiguous()
 
 
 def _faquant_decode(

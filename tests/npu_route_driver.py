@@ -194,6 +194,51 @@ def _():
     )
 
 
+@check("c8_write_and_decode_nz")
+def _():
+    """C8: per-channel [Hkv, D] scales, written with vllm-ascend's tensor ops and
+    read through FIA's per-channel [Hkv, 1, D] antiquant scales."""
+    case = gqa_case()
+    for side, x in (("ks", case["key"]), ("vs", case["value"])):
+        case[side] = (x.float().abs().amax(dim=0) / 127).clamp(min=2.0**-23)
+    if not NEWER:
+        return expect_refusal(
+            lambda: gqa_write(case, torch.int8, "nz"), "[route.cache_write.nz]"
+        )
+    kc, vc = gqa_write(case, torch.int8, "nz")
+    assert FAKE.call_names == ["npu_scatter_pa_kv_cache"], FAKE.call_names
+    FAKE.calls.clear()
+    detail = decode(case, kc, vc, "int8_kv", "nz")
+    (call,) = FAKE.calls_to("npu_fused_infer_attention_score")
+    want = case["ks"].to(torch.bfloat16).view(case["hkv"], 1, case["d"])
+    assert torch.equal(call["key_antiquant_scale"].cpu(), want)
+    return detail
+
+
+@check("fp8_kv_refused")
+def _():
+    case = gqa_case()
+    fp8 = torch.float8_e4m3fn
+    kc = npu(torch.zeros(gqa_cache_shape(case, fp8, "nz"), dtype=fp8))
+    s = npu(torch.tensor([0.01]))
+    FAKE.calls.clear()
+    expect_refusal(
+        lambda: reshape_and_cache(
+            npu(case["key"]), npu(case["value"]), kc, kc.clone(), npu(case["slots"]),
+            k_scale=s, v_scale=s,
+        ),
+        "[npu.fp8_kv]", "float8_e4m3fn",
+    )  # fmt: skip
+    return expect_refusal(
+        lambda: paged_attention(
+            npu(case["query"]), kc, kc.clone(), npu(case["table"]),
+            npu(case["seq_lens"]), num_kv_heads=case["hkv"], scale=case["scale"],
+            k_scale=s, v_scale=s,
+        ),
+        "[npu.fp8_kv]",
+    )  # fmt: skip
+
+
 @check("decode_faquant_nd")
 def _():
     case = gqa_case()

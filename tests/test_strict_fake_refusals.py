@@ -186,6 +186,7 @@ _MIXED = dict(
 #: rule id -> (release, counter-example call)
 COUNTER = {
     "npu.cache_dtype": ("26.0.0", _fia_float(qdt=BF16, kdt=torch.float32)),
+    "npu.fp8_kv": ("7.3.0", _fia_float(qdt=BF16, kdt=torch.float8_e4m3fn)),
     "npu.offsets": (
         "26.0.0",
         _fia_int8(key_antiquant_offset=torch.zeros(1, 1, 128, dtype=BF16)),
@@ -369,6 +370,11 @@ def _float_spec(**kw):
 #: spec rule id -> (release, spec breaking it, the offending value as printed)
 SPEC_COUNTER = {
     "npu.cache_dtype": ("26.0.0", _float_spec(cache_dtype=torch.float32), "float32"),
+    "npu.fp8_kv": (
+        "7.2.0",
+        _spec(mode="fp8_kv", cache_dtype=torch.float8_e4m3fn),
+        "float8_e4m3fn",
+    ),
     "npu.offsets": ("26.0.0", _spec(has_offsets=True), "True"),
     "fia.int8nz.query_dtype": ("7.2.0", _spec(query_dtype=torch.float16), "float16"),
     "fia.int8nz.head_dim": ("7.3.0", _spec(head_dim=64), "64"),

@@ -40,7 +40,7 @@ from torch import nn
 from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.atb_ops import per_head_qparams
 from ascend_fa.atb_ops.constants import FP8_E4M3_MAX
-from ascend_fa.atb_ops.quant import int8_codes
+from ascend_fa.atb_ops.quant import c8_codes, c8_held_scale
 
 from .observers import PerHeadObserver
 
@@ -157,13 +157,14 @@ class KVCalibration:
 
 class C8FakeQuant(nn.Module):
     """The C8 cache round trip of K or V ``[B, Hkv, T, D]``: per channel
-    ``clamp(round(x / s[h, d]), -128, 127) * s[h, d]``, output in ``x``'s dtype.
+    ``c8_codes(x, s[h, d]) * s[h, d]``, output in ``x``'s dtype.
 
-    ``dtype`` (the model dtype) rounds the scale to what vllm-ascend holds (its
-    weight loader casts the scale to the parameter dtype, ``kv_c8.py``). The device
-    multiplies by ``1 / s`` in that dtype; dividing in fp32 here can move a value
-    that lies within an ulp of a rounding tie by one code, far inside the error
-    budget of the cache itself.
+    The codes are vllm-ascend's cache write (:func:`~ascend_fa.atb_ops.c8_codes`):
+    the scale held in the activation dtype (its weight loader casts it to the
+    parameter dtype, ``kv_c8.py``), ``x * (1 / s)`` rounded to that dtype, then
+    rounded half to even and saturated -- bit for bit the codes the paged runtime's
+    ``reshape_and_cache`` writes with ``[Hkv, D]`` scales. ``dtype`` (the model
+    dtype) rounds the stored scale the same way up front.
     """
 
     def __init__(
@@ -183,11 +184,21 @@ class C8FakeQuant(nn.Module):
         self.head_dim = head_dim
         self.register_buffer("scale", s.clone())
 
+    def held_scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scale ``[1, Hkv, 1, D]`` fp32 as held for ``dtype`` activations."""
+        s = self.scale.view(1, self.num_heads, 1, self.head_dim)
+        return c8_held_scale(s, dtype)
+
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 cache codes of ``x`` ``[B, Hkv, T, D]``."""
+        held = self.held_scale(x.dtype).to(x.device)
+        return c8_codes(x, held).to(torch.int8)
+
     def forward(
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        s = self.scale.to(x.device).view(1, self.num_heads, 1, self.head_dim)
-        return (int8_codes(x, s) * s).to(x.dtype)
+        held = self.held_scale(x.dtype).to(x.device)
+        return (c8_codes(x, held).float() * held).to(x.dtype)
 
 
 class FP8FakeQuant(nn.Module):

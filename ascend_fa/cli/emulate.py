@@ -29,16 +29,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--artifact",
         default=None,
         metavar="DIR",
-        help="artifact with fa_{q,k,v}.scale tensors (from "
-        "`ascend-fa calibrate`); default: dynamic per-head scales "
-        "from each prompt",
+        help="artifact from `ascend-fa calibrate`: FA scales (mindie) run "
+        "int8_kv and faquant, C8 scales (vllm-ascend) run c8, FP8 KV scales "
+        "(vllm) run fp8_kv; default: dynamic scales from each prompt",
     )
     parser.add_argument(
         "--mode",
         action="append",
         default=None,
-        choices=["int8_kv", "faquant"],
-        help="quantized mode to run; repeat for several (default: both)",
+        choices=["int8_kv", "faquant", "c8", "fp8_kv"],
+        help="quantized mode to run; repeat for several (default: what the "
+        "artifact deploys, or int8_kv and faquant)",
     )
     parser.add_argument(
         "--prompt", default=None, help="prompt for the greedy comparison"
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     rows = report.rows
     ppl_ref = rows[0]["ppl"]
     print(f"model: {report.model}")
-    print(f"scales: {report.artifact or 'dynamic (per-head absmax of each prompt)'}")
+    print(f"scales: {report.artifact or 'dynamic (absmax of each prompt)'}")
     chat = " (chat template)" if report.chat else ""
     print(f"prompt{chat} ({report.prompt_tokens} tokens): {report.prompt!r}")
     print(

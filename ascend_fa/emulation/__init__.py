@@ -3,6 +3,8 @@
 * :mod:`.runtime` — :func:`enable_paged_int8_attention` and
   :class:`QuantizedKVRuntime`: a transformers model's attention through the paged
   (int8) NZ cache, as an Ascend inference engine runs it.
+* :mod:`.scales` — the runtime's static scales (FA, C8 ``[Hkv, D]``, FP8 ``[1]`` /
+  ``[Hkv]``) read from artifacts or maps, and the dynamic ones from a prompt.
 * :mod:`.verb` — :func:`run_emulate`, the ``ascend-fa emulate`` verb: greedy
   generation and perplexity through the paged cache against the plain model.
 """

@@ -9,7 +9,7 @@ and runs every step through the runtime API, as an Ascend inference engine does:
 * the step's new tokens (the last ``S`` of HF's ``key``/``value`` ``[B, Hkv, L, D]``,
   after RoPE, before ``repeat_kv``) are written with
   :func:`~ascend_fa.attention.reshape_and_cache` (quantized on write in the int8
-  modes);
+  and FP8 modes);
 * ``S > 1`` (prefill) attends with :func:`~ascend_fa.attention.prefill_attention`,
   ``S == 1`` (decode) with :func:`~ascend_fa.attention.paged_attention`, both over the
   paged cache only — HF's float K/V history is never read.
@@ -21,17 +21,24 @@ and runs every step through the runtime API, as an Ascend inference engine does:
                                   plain model)
 ``"int8_kv"``  int8, per KV head  float query, dequantized K/V ("antiquant")
 ``"faquant"``  int8, per KV head  query quantized per head with ``fa_q.scale``
+``"c8"``       int8, per channel  float query; vllm-ascend's C8 cache (codes as
+                                  its ``_quantize_kv_to_int8`` writes them)
+``"fp8_kv"``   float8_e4m3fn,     float query; vLLM's FP8 cache
+               per tensor / head
 =============  =================  ==============================================
 
-Scales (``scales=``): an artifact directory (``<attn>.fa_{q,k,v}.scale``, ``[H, 1]``
-or ``[H, D]``, read with :func:`ascend_fa.artifact.read_fa_scales`), or a map
-``{attn: {"fa_q": scale | (scale, offset), ...}}`` with ``[H]`` scales, keyed by the
-attention modules' dotted names (``model.layers.0.self_attn``). ``None`` means
-*dynamic* scales: when a sequence starts (its prefill), each layer takes the per-head
-absmax of the prompt's K and V (and Q for FAQuant) over all batch rows and tokens,
-``scale = max(absmax / 127, 2**-23)`` (:func:`~ascend_fa.atb_ops.per_head_qparams`),
-and keeps it for the rest of the sequence; later tokens outside that range saturate
-at ±127 codes, as they would with a static scale. Dynamic scales are a CI
+Scales (``scales=``, see :mod:`.scales`): an artifact directory (FA modes:
+``<attn>.fa_{q,k,v}.scale``, ``[H, 1]`` or ``[H, D]``; ``c8``:
+``<attn>.{k,v}_proj.kv_cache_scale`` ``[Hkv*D]``; ``fp8_kv``: ``<attn>.{k,v}_scale``
+``[1]`` or ``[Hkv]``), or a map keyed by the attention modules' dotted names
+(``model.layers.0.self_attn``): ``{attn: {"fa_q": scale | (scale, offset), ...}}``
+with ``[H]`` scales in the FA modes, ``{attn: {"k": scale, "v": scale}}`` in ``c8``
+/ ``fp8_kv``. ``None`` means *dynamic* scales: when a sequence starts (its
+prefill), each layer takes the absmax of the prompt's K and V (and Q for FAQuant)
+over all batch rows and tokens -- per head, per channel for ``c8`` --
+``scale = max(absmax / 127, 2**-23)`` (:func:`~ascend_fa.atb_ops.per_head_qparams`;
+``absmax / 448`` for FP8), and keeps it for the rest of the sequence; later tokens
+outside that range saturate, as they would with a static scale. Dynamic scales are a CI
 convenience: a short prompt is a one-sample calibration, which suits K/V but often
 not Q (FAQuant); use an artifact's scales for FAQuant accuracy numbers.
 
@@ -66,12 +73,13 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.hf import register_attention_function
-from ascend_fa.artifact.format import FA_BRANCHES, per_head_vector
-from ascend_fa.atb_ops import c0, per_head_qparams
+from ascend_fa.atb_ops import c0
 from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
 from ascend_fa.backends import Backend, get_backend
 from ascend_fa.kvcache import CacheBatch, PagedKVCache
 from ascend_fa.metrics import token_nll
+
+from .scales import cache_mode, dynamic_layer_scales, dynamic_scales, load_scales
 
 __all__ = [
     "EMULATION_MODES",
@@ -84,20 +92,11 @@ __all__ = [
 
 #: Attention implementation name registered in transformers' ``AttentionInterface``.
 PAGED_ATTENTION_IMPL = "ascend_fa_paged"
-EMULATION_MODES = ("float", "int8_kv", "faquant")
+EMULATION_MODES = ("float", "int8_kv", "faquant", "c8", "fp8_kv")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 _RT_ATTR = "_ascend_fa_paged_runtime"
 _ROOT_ATTR = "_ascend_fa_paged_root_runtime"
-
-
-def dynamic_scales(x: torch.Tensor) -> torch.Tensor:
-    """Per-head symmetric scale ``[H]`` fp32 of ``x`` ``[B, H, S, D]``: the absmax over
-    every batch row, token and channel of a head, through
-    :func:`~ascend_fa.atb_ops.per_head_qparams` (so ``/ 127`` and the ``2**-23``
-    floor are the calibrated scales' own rules)."""
-    amax = x.detach().float().abs().amax(dim=(0, 2, 3))
-    return per_head_qparams(-amax, amax)[0]
 
 
 def _attention_forward(
@@ -141,20 +140,6 @@ def _is_attention(module: nn.Module) -> bool:
     )  # fmt: skip
 
 
-def _as_scale(value: Any, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(value, tuple | list):
-        if len(value) != 2:
-            raise ValueError(f"scales: {name} must be a scale or (scale, offset)")
-        scale, offset = value
-    else:
-        scale, offset = value, None
-    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
-        raise ValueError(f"scales: {name} scale must be a floating tensor")
-    # [H], or the artifact's on-disk shapes [H, 1] / [H, D] with constant rows.
-    scale = per_head_vector(scale, f"scales: {name} scale")
-    return scale.float().contiguous(), offset
-
-
 class QuantizedKVRuntime:
     """The paged-cache runtime of one model; made by
     :func:`enable_paged_int8_attention` (see the module doc for the semantics).
@@ -196,7 +181,7 @@ class QuantizedKVRuntime:
             raise ValueError(
                 f"block_size must be a positive multiple of {step} for mode "
                 f"{mode!r} (paged blocks are whole NZ fractals: 16 rows, 32 for "
-                f"int8), got {block_size}"
+                f"1-byte int8 / fp8 caches), got {block_size}"
             )
         if num_blocks is not None and (
             isinstance(num_blocks, bool)
@@ -248,7 +233,16 @@ class QuantizedKVRuntime:
 
         self.static = scales is not None
         self._scales: list[dict[str, torch.Tensor]] = (
-            self._load_scales(scales) if scales is not None else []
+            load_scales(
+                scales,
+                mode=mode,
+                layer_names=self.layer_names,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+            )  # fmt: skip
+            if scales is not None
+            else []
         )
         self.cache: PagedKVCache | None = None
         self._seq_ids: tuple[int, ...] = ()
@@ -275,69 +269,10 @@ class QuantizedKVRuntime:
         self._removed = False
 
     # -- scales -------------------------------------------------------------------
-    def _load_scales(
-        self, scales: str | Path | Mapping[str, Any]
-    ) -> list[dict[str, torch.Tensor]]:
-        if isinstance(scales, str | Path):
-            from ascend_fa.artifact.reader import read_fa_scales
-
-            path = Path(scales)
-            if not path.is_dir():
-                raise FileNotFoundError(f"scales: artifact directory not found: {path}")
-            scales = read_fa_scales(path)
-            if not scales:
-                raise ValueError(
-                    f"scales: artifact {path} has no <attn>.fa_{{q,k,v}}.scale tensors"
-                )
-        if not isinstance(scales, Mapping):
-            raise ValueError(
-                f"scales must be None, an artifact directory or a mapping, got "
-                f"{type(scales).__name__}"
-            )
-        need = FA_BRANCHES if self.mode == "faquant" else FA_BRANCHES[1:]
-        heads = {
-            "fa_q": self.num_heads,
-            "fa_k": self.num_kv_heads,
-            "fa_v": self.num_kv_heads,
-        }
-        out = []
-        for name in self.layer_names:
-            entry = scales.get(name)
-            if entry is None:
-                raise ValueError(
-                    f"scales: no entry for attention module {name!r} (the map has "
-                    f"{len(scales)} entries, e.g. {next(iter(scales), None)!r})"
-                )
-            layer = {}
-            for branch in need:
-                if branch not in entry:
-                    raise ValueError(
-                        f"scales: {name}.{branch} is missing (mode {self.mode!r} "
-                        f"needs {', '.join(need)})"
-                    )
-                scale, offset = _as_scale(entry[branch], f"{name}.{branch}")
-                if scale.numel() != heads[branch]:
-                    raise ValueError(
-                        f"scales: {name}.{branch}.scale has {scale.numel()} heads, "
-                        f"the model has {heads[branch]}"
-                    )
-                if not bool((torch.isfinite(scale) & (scale > 0)).all()):
-                    raise ValueError(
-                        f"scales: {name}.{branch}.scale must be finite and > 0"
-                    )
-                if offset is not None and bool(torch.as_tensor(offset).any()):
-                    raise ValueError(
-                        f"scales: {name}.{branch}.offset is non-zero; the Ascend "
-                        "kernels take symmetric (offset 0) scales only"
-                    )
-                layer[branch.removeprefix("fa_")] = scale
-            out.append(layer)
-        return out
-
     def layer_scales(self, layer: int) -> dict[str, torch.Tensor]:
-        """``{"k": [Hkv], "v": [Hkv], "q": [H]}`` fp32 in use for ``layer`` (static,
-        or the current sequences' dynamic ones; empty in float mode or before a
-        dynamic prefill)."""
+        """``{"k", "v"[, "q"]}`` fp32 in use for ``layer`` (static, or the current
+        sequences' dynamic ones; empty in float mode or before a dynamic prefill):
+        ``[Hkv]`` (``q`` ``[H]``), C8 ``[Hkv, D]``, FP8 ``[1]`` or ``[Hkv]``."""
         if self.mode == "float":
             return {}
         if self.static:
@@ -403,7 +338,7 @@ class QuantizedKVRuntime:
         cache = PagedKVCache(
             len(self._modules), self.num_kv_heads, self.head_dim,
             num_blocks=total, block_size=self.block_size, dtype=dtype,
-            mode=self.mode, backend=self.backend, device=device,
+            mode=cache_mode(self.mode), backend=self.backend, device=device,
         )  # fmt: skip
         live = [i for i in self._seq_ids if old is not None and old.seq_len(i)]
         if live and (old.dtype != dtype or old.device != device):
@@ -480,10 +415,9 @@ class QuantizedKVRuntime:
             else:
                 if self._dynamic[layer] is None:
                     # First step of the sequences: scales from the prompt itself.
-                    dyn = {"k": dynamic_scales(k_new), "v": dynamic_scales(v_new)}
-                    if self.mode == "faquant":
-                        dyn["q"] = dynamic_scales(query)
-                    self._dynamic[layer] = dyn
+                    self._dynamic[layer] = dynamic_layer_scales(
+                        self.mode, query, k_new, v_new
+                    )
                 sc = self._dynamic[layer]
             sc = {n: t.to(query.device) for n, t in sc.items()}
         k_scale, v_scale, q_scale = sc.get("k"), sc.get("v"), sc.get("q")
@@ -661,10 +595,13 @@ def enable_paged_int8_attention(
     Args:
         model: a transformers LLaMA / Qwen2 / Qwen3 / Mistral causal LM.
         mode: ``"int8_kv"`` (int8 cache, float query), ``"faquant"`` (query
-            quantized too, needs ``fa_q`` scales) or ``"float"`` (float cache).
-        scales: artifact directory, scale map, or None for dynamic per-head scales
-            from each sequence's prompt (see the module doc).
-        block_size: ``BS`` tokens per block (multiple of 32 for int8, 16 for float).
+            quantized too, needs ``fa_q`` scales), ``"c8"`` (int8 cache with
+            per-channel scales, vllm-ascend), ``"fp8_kv"`` (FP8 E4M3 cache, vLLM)
+            or ``"float"`` (float cache).
+        scales: artifact directory, scale map, or None for dynamic scales from
+            each sequence's prompt (see the module doc).
+        block_size: ``BS`` tokens per block (multiple of 32 for int8 / fp8, 16 for
+            float).
         num_blocks: fixed cache size in blocks, or None to grow on demand.
         backend: backend name or instance for every op (default: selected per op).
     """

@@ -19,6 +19,12 @@ for every generated token. For each mode the command reports
 
 ``float-paged`` (float cache) is always run: it must reproduce the plain model,
 which shows that the plumbing is exact before the int8 rows are read.
+
+With ``--artifact`` the modes follow what the artifact deploys (or ``--mode``,
+which must fit it): FA scales (MindIE) run ``int8_kv`` and ``faquant``, C8 scales
+(vllm-ascend) run ``c8`` -- the int8 cache with per-channel scales and a float
+query, quantized on write as vllm-ascend does -- and vLLM FP8 KV scales run
+``fp8_kv``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ascend_fa.errors import InputError, NotFoundError
+from ascend_fa.errors import FileFormatError, InputError, NotFoundError
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import token_kl, token_nll
 
@@ -46,6 +52,8 @@ __all__ = [
     "window_logits",
     "perplexity_plain",
     "run_emulate",
+    "ARTIFACT_MODES",
+    "artifact_scales",
 ]
 
 DEFAULT_PROMPT = (
@@ -137,6 +145,62 @@ def compare(reference: torch.Tensor, tokens: torch.Tensor, start: int) -> dict:
     return {"matched": int(sum(same)), "prefix": prefix, "n": n}
 
 
+#: Modes an artifact's scales can run, by what it deploys (the first are the
+#: default).
+ARTIFACT_MODES = {"fa": ("int8_kv", "faquant"), "c8": ("c8",), "fp8": ("fp8_kv",)}
+
+
+def artifact_scales(directory: str | Path) -> tuple[str, Any]:
+    """``(kind, scales)`` of an artifact: ``"fa"`` with its FA scale map, or
+    ``"c8"`` / ``"fp8"`` with its KV-cache scales ``{attn: {"k", "v"}}``.
+
+    C8 scales are rounded to the artifact's ``torch_dtype`` (float16 / bfloat16),
+    the dtype vllm-ascend holds them in (``kv_c8.py`` casts them to the parameter
+    dtype), as ``eval`` does; the runtime rounds them to the model's dtype too.
+    """
+    from ascend_fa.artifact.reader import (
+        read_artifact_config,
+        read_fa_scales,
+        read_kv_scales,
+    )
+
+    fa = read_fa_scales(directory)
+    if fa:
+        return "fa", fa
+    kv = read_kv_scales(directory)
+    if kv is None:
+        raise FileFormatError(
+            f"artifact {directory} has no FA or KV-cache scales (no "
+            "<attn>.fa_{q,k,v}.scale, <attn>.{k,v}_proj.kv_cache_scale or "
+            "<attn>.{k,v}_scale tensors)",
+            path=directory,
+        )
+    kind, scales = kv
+    name = (read_artifact_config(directory) or {}).get("torch_dtype")
+    held = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(
+        name if isinstance(name, str) else ""
+    )
+    if kind == "c8" and held is not None:
+        scales = {
+            attn: {side: t.to(held).float() for side, t in sides.items()}
+            for attn, sides in scales.items()
+        }
+    return kind, scales
+
+
+def _artifact_modes(kind: str, modes: list[str] | None) -> list[str]:
+    fits = ARTIFACT_MODES[kind]
+    if not modes:
+        return list(fits)
+    bad = [m for m in modes if m not in fits]
+    if bad:
+        raise InputError(
+            f"--mode {bad[0]} does not fit the artifact: its {kind.upper()} scales "
+            f"run {' / '.join(fits)}"
+        )
+    return modes
+
+
 def _end_of_turn(tokenizer: Any) -> int | None:
     """The token that ends the assistant's turn in the chat template: the template's
     own end-of-turn marker when the tokenizer knows one (``<|im_end|>``,
@@ -191,12 +255,9 @@ def run_emulate(
     backend: str | None = None,
 ) -> EmulateReport:
     """Run the plain model, ``float`` through the paged cache, and each of
-    ``modes`` (default ``int8_kv`` and ``faquant``) on the same prompt and text."""
-    from ascend_fa.evaluation import (
-        load_eval_text,
-        read_artifact_scales,
-        token_windows,
-    )
+    ``modes`` (default: ``int8_kv`` and ``faquant``, or what ``artifact`` deploys)
+    on the same prompt and text."""
+    from ascend_fa.evaluation import load_eval_text, token_windows
     from ascend_fa.models import load_model
 
     if max_new_tokens <= 0:
@@ -206,9 +267,9 @@ def run_emulate(
     if artifact is not None and not Path(artifact).is_dir():
         raise NotFoundError("artifact not found", path=artifact)
     # Read (and so check) the artifact and the text before the model loads.
-    artifact_scales = read_artifact_scales(artifact) if artifact is not None else None
+    kind, scale_map = artifact_scales(artifact) if artifact is not None else ("", None)
     eval_text = load_eval_text(eval_data)
-    modes = modes or ["int8_kv", "faquant"]
+    modes = _artifact_modes(kind, modes) if kind else modes or ["int8_kv", "faquant"]
     loaded = load_model(model, gguf_file)
     net, tok = loaded.model, loaded.tokenizer
     device = next(net.parameters()).device
@@ -266,7 +327,7 @@ def run_emulate(
         source = "artifact + W8A8 linears"
     for mode in ["float", *modes]:
         t0 = time.perf_counter()
-        scales = artifact_scales if mode != "float" else None
+        scales = scale_map if mode != "float" else None
         with enable_paged_int8_attention(
             net if mode == "float" or qnet is None else qnet,
             mode=mode,

@@ -22,6 +22,7 @@ __all__ = ["FakeRuleViolation", "OPS", "ENFORCED_RULES"]
 ENFORCED_RULES = frozenset(
     {
         "npu.cache_dtype",
+        "npu.fp8_kv",
         "npu.offsets",
         "route.cache_write.nz",
         "route.decode.int8_kv.nz",
@@ -322,6 +323,12 @@ def npu_fused_infer_attention_score(release: str, a: dict):
         max(lens) <= table.shape[1] * bs, pa, release, "block_table covers the lengths"
     )
     _need(key.shape == value.shape, pa, release, "key and value shapes must match")
+    _need(
+        key.dtype != torch.float8_e4m3fn,
+        "npu.fp8_kv",
+        release,
+        "key / value are float16, bfloat16, int8 or int4: no float8_e4m3fn KV",
+    )
     _need(
         key.dtype in (torch.float16, torch.bfloat16, torch.int8),
         "npu.cache_dtype",

@@ -396,7 +396,10 @@ def test_merge_into_refused_before_the_model_loads(models, data, tmp_path, capsy
     [
         (("--target", "tensorrt"), "--target 'tensorrt' is not a known target"),
         (("--target", "vllm", "--dtype", "fp32"), "--dtype 'fp32' is not supported"),
-        (("--target", "mindie"), "--target mindie needs quantized linears"),
+        (
+            ("--target", "mindie", "--linear", "none"),
+            "--target mindie needs quantized linears",
+        ),
         (("--target", "vllm", "--clip-search"), "--clip-search tunes FAQuant"),
     ],
 )
@@ -414,7 +417,13 @@ def test_target_cannot_express_model(models, data, tmp_path, capsys):
         ("vllm-ascend", "cannot express model type 'deepseek_v3' with float linears"),
     ):
         rc = run_calibrate(
-            models["deepseek_v3"], tmp_path / "o", data, "--target", target
+            models["deepseek_v3"],
+            tmp_path / "o",
+            data,
+            "--target",
+            target,
+            "--linear",
+            "none",
         )
         err = capsys.readouterr().err
         assert rc == 2 and message in err, err

@@ -15,7 +15,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ascend_fa.errors import InputError
+from ascend_fa.errors import InputError, NotFoundError
 
 from .format import DESCRIPTION_FILE, LINEAR_QUANT_TYPES
 from .reader import check_merge_target, read_description
@@ -49,8 +49,11 @@ def check_merge_export(
     """
     directory = Path(directory)
     flag = f"--merge-into {directory}"
-    # Readable export, safe names, valid headers, no FA tensors yet (reader rules).
-    where = check_merge_target(directory)
+    if not (directory / DESCRIPTION_FILE).is_file():
+        raise NotFoundError(
+            f"{flag}: no {DESCRIPTION_FILE} (not an msModelSlim export)",
+            path=directory,
+        )
     desc = read_description(directory)
     mqt = desc.get("model_quant_type")
     if mqt not in LINEAR_QUANT_TYPES:
@@ -58,6 +61,8 @@ def check_merge_export(
             f"{flag}: model_quant_type {mqt!r} in {DESCRIPTION_FILE}; a W8A8 export "
             f"has one of {', '.join(LINEAR_QUANT_TYPES)}"
         )
+    # Readable export, safe names, valid headers, no FA tensors yet (reader rules).
+    where = check_merge_target(directory)
     if model_config is None:
         return desc
     layers = model_config.get("num_hidden_layers")

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascend_fa.transforms.residual import rotate_residual, supports_rotation
+
 from .engine import (
     LINEAR_MODES,
     GroupRecord,
@@ -79,13 +81,23 @@ def calibrate_linears(
     scan_batches: Iterable[dict[str, torch.Tensor]] = (),
     progress: Any = None,
 ) -> LinearResult:
-    """Quantize ``model``'s linears in place on the calibration ``batches`` (layer
-    by layer), then keep the most sensitive groups float as ``config.fallback``
-    says, measured on ``scan_batches`` (their float logits are taken first; no
-    scan data means no fallback). ``progress`` (a bar) advances per layer."""
+    """Rotate ``model``'s residual stream when ``config.rotate`` says so, quantize
+    its linears in place on the calibration ``batches`` (layer by layer), then keep
+    the most sensitive groups float as ``config.fallback`` says, measured on
+    ``scan_batches`` (their float logits are taken first; no scan data means no
+    fallback). ``progress`` (a bar) advances per layer."""
+    rotation = None
+    rotate = config.rotate
+    if rotate is None:
+        rotate = config.quant_type == "W8A8" and supports_rotation(model)
+    if rotate:
+        # Exact in float (the reference logits below are unchanged by it); makes
+        # the RMSNorm-ed inputs flat enough for one per-tensor activation scale.
+        rotation = rotate_residual(model, config.seed).to_dict()
     scan = list(scan_batches) if config.fallback != 0 else []
     reference = reference_logits(model, scan) if scan else []
     result = quantize_linears(model, batches, config, progress=progress)
+    result.rotation = rotation
     if scan:
         apply_fallback(model, result, scan, reference)
     return result

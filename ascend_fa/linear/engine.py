@@ -67,7 +67,10 @@ class LinearConfig:
     float, ``"auto"`` (stop at ``budget`` mean KL on the scan data), or 0;
     ``max_float_fraction`` caps the automatic mode; ``scan_samples`` /
     ``scan_tokens`` size the KL scan data; ``scan_candidates`` groups (those with
-    the largest layer-local output error; 0 = all) are KL-scanned.
+    the largest layer-local output error; 0 = all) are KL-scanned; ``rotate``
+    the residual-stream rotation before quantizing (:mod:`ascend_fa.transforms.
+    residual`, seeded by ``seed``): None = for static W8A8 on the model types it
+    supports, True = required, False = never.
     """
 
     quant_type: str = "W8A8"
@@ -82,6 +85,7 @@ class LinearConfig:
     scan_tokens: int = 256
     scan_candidates: int = 24
     seed: int = 0
+    rotate: bool | None = None
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -106,8 +110,11 @@ class LinearConfig:
 
     @classmethod
     def round_to_nearest(cls, quant_type: str, dtype: torch.dtype) -> LinearConfig:
-        """The baseline: min/max per-tensor ranges, no smoothing, no fallback."""
-        return cls(quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0)
+        """The baseline: min/max per-tensor ranges, no smoothing, no fallback, no
+        rotation."""
+        return cls(
+            quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0, rotate=False
+        )
 
 
 @dataclass
@@ -146,6 +153,7 @@ class LinearResult:
     records: list[GroupRecord]
     seconds: dict[str, float] = field(default_factory=dict)
     scan_kl: float | None = None
+    rotation: dict[str, Any] | None = None
 
     def counts(self) -> dict[str, int]:
         """Linears per description type (``W8A8`` / ``W8A8_DYNAMIC`` / ``FLOAT``)."""
@@ -169,6 +177,7 @@ class LinearResult:
             "fallback": self.config.fallback,
             "counts": self.counts(),
             "scan_kl": self.scan_kl,
+            "rotation": self.rotation,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "groups": [r.to_dict() for r in self.records],
         }

@@ -1,5 +1,5 @@
-"""Device self-test: every cache write and attention variant on a backend, against
-the CPU golden references.
+"""Device self-test: every cache write, attention variant and W8A8 linear op on a
+backend, against the CPU golden references.
 
 :func:`run_selftest` runs each case through the public API on the backend's device
 (so on ``npu`` it takes the one dispatch route into torch_npu) and compares:

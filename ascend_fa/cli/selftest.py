@@ -10,7 +10,7 @@ import argparse
 import json
 
 COMMAND = "selftest"
-HELP = "run every cache/attention op on a backend and compare with the CPU reference"
+HELP = "run every cache/attention/linear op on a backend vs the CPU reference"
 
 __all__ = ["COMMAND", "HELP", "add_arguments", "run"]
 

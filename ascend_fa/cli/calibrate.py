@@ -143,10 +143,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "KL scan on calibration data); auto (default): stop at a KL budget, at "
         "most 10%% of the linears",
     )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the result (artifact, timings, summary, held-out "
+        "perplexity) as JSON",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.job import calibrate
+    from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
+    from ascend_fa.tables import strict_json
+
+    if args.json:  # refused now, not after the run
+        check_output_file(args.json, what="--json")
+        inputs = {
+            "--model": args.model,
+            "--output": args.output,
+            "--merge-into": args.merge_into,
+        }
+        check_disjoint(args.json, inputs, flag="--json")
 
     result = calibrate(
         args.model,
@@ -176,4 +194,6 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in result.summary_lines():
         print(line)
+    if args.json:
+        write_file(args.json, strict_json(result.to_dict()))
     return 0

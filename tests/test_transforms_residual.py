@@ -138,7 +138,7 @@ def _batches(tok):
 def test_static_w8a8_rotates_and_exports_a_loadable_untied_artifact(tmp_path):
     tok = byte_tokenizer()
     model = tiny_llama(tie_word_embeddings=True)
-    cfg = LinearConfig("W8A8", torch.bfloat16, fallback=0)
+    cfg = LinearConfig("W8A8", torch.bfloat16, fallback=0, rotate=True)
     result = calibrate_linears(model, _batches(tok), cfg)
     assert result.rotation == {
         "size": 64,
@@ -160,11 +160,9 @@ def test_static_w8a8_rotates_and_exports_a_loadable_untied_artifact(tmp_path):
         assert torch.equal(fresh(**enc).logits, want)
 
 
-def test_rotation_only_by_default_for_static_and_never_for_rtn():
+def test_rotation_is_opt_in_and_never_for_rtn():
     tok = byte_tokenizer()
-    dyn = calibrate_linears(
-        tiny_llama(), _batches(tok), LinearConfig("W8A8_DYNAMIC", fallback=0)
-    )
+    dyn = calibrate_linears(tiny_llama(), _batches(tok), LinearConfig(fallback=0))
     rtn = calibrate_linears(
         tiny_llama(),
         _batches(tok),

@@ -10,9 +10,7 @@ packaged held-out prose and code texts, one row per recipe:
   smoothing and range searched per group, automatic KL fallback);
 * **W8A8_DYNAMIC** — ``--linear w8a8_dynamic`` with the same machinery.
 
-The W8A8 default row rotates the residual stream first (what ``calibrate`` does
-for static W8A8, :mod:`ascend_fa.transforms.residual`). Every quantized row also
-has FAQuant attention calibrated after its linears (as
+Every quantized row also has FAQuant attention calibrated after its linears (as
 ``calibrate`` does). Columns: perplexity change, mean token KL(float || quantized)
 and top-1 agreement per domain, linears kept float, and the calibration time as a
 ratio of plain forwards over the same calibration batches, measured in the same

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascend_fa.transforms.residual import rotate_residual, supports_rotation
+from ascend_fa.transforms.residual import rotate_residual
 
 from .engine import (
     LINEAR_MODES,
@@ -87,10 +87,7 @@ def calibrate_linears(
     ``scan_batches`` (their float logits are taken first; no scan data means no
     fallback). ``progress`` (a bar) advances per layer."""
     rotation = None
-    rotate = config.rotate
-    if rotate is None:
-        rotate = config.quant_type == "W8A8" and supports_rotation(model)
-    if rotate:
+    if config.rotate:
         # Exact in float (the reference logits below are unchanged by it); makes
         # the RMSNorm-ed inputs flat enough for one per-tensor activation scale.
         rotation = rotate_residual(model, config.seed).to_dict()

@@ -1,5 +1,5 @@
-"""Device self-test: every cache write and attention variant on a backend, against
-the CPU golden references.
+"""Device self-test: every cache write, attention variant and W8A8 linear op on a
+backend, against the CPU golden references.
 
 :func:`run_selftest` runs each case through the public API on the backend's device
 (so on ``npu`` it takes the one dispatch route into torch_npu) and compares:
@@ -12,6 +12,13 @@ the CPU golden references.
   error of the same computation done plainly in bf16, plus a floor: ``1e-3`` for
   the emulation backends, ``2e-2`` for device backends, whose kernels requantize
   the softmax probabilities and take bf16 dequant scales.
+
+W8A8 linear ops (``quantize_static``, ``dynamic_quant``, ``quant_matmul`` with a
+float32 and an int64 ``deq_scale``, ``quant_matmul_dynamic``) are compared with
+the plain-Python golden references of :mod:`ascend_fa.atb_ops.linear`: bit-equal
+on the emulation backends (budget 0); on a device, codes within one step (the
+device's rounding of a tie may differ) and matmul outputs within one unit of the
+output dtype at the largest output magnitude.
 
 Sizes fit the documented NPU kernels: GQA ``H = 10, Hkv = 1`` (an int8 NZ decode
 pair), ``D = 128``, ``BS = 128``; MLA ``H = 16, R = 512, Dr = 64``. A case the
@@ -32,8 +39,9 @@ import torch
 from . import attention as api
 from .atb_ops import attention as ref_attn
 from .atb_ops import cache as ref_cache
+from .atb_ops import linear as ref_linear
 from .atb_ops import nz_cache_shape, per_head_qparams
-from .backends import Backend, get_backend
+from .backends import Backend, CapabilityError, get_backend
 from .errors import UnsupportedError
 
 __all__ = [
@@ -136,6 +144,18 @@ class _Bench:
         self.qn = torch.randn(2, self.mh, self.r, generator=gen).to(bf16)
         self.qr = torch.randn(2, self.mh, self.dr, generator=gen).to(bf16)
         self.qn_scale = _amax(self.qn, 1)
+        # W8A8 linears: activations with an outlier, int8 operands
+        self.lx = (torch.randn(6, 256, generator=gen) * 2).to(bf16)
+        self.lx[2, 5] = 30.0
+        self.lx[4] = 0  # an all-zero token (dynamic: codes 0, scale 0)
+        self.lxq = torch.randint(-128, 128, (6, 256), generator=gen).to(torch.int8)
+        self.lw = torch.randint(-128, 128, (64, 256), generator=gen).to(torch.int8)
+        self.ldeq = (torch.rand(64, generator=gen) + 0.5) * 1e-4
+        self.lbias = torch.randint(-(2**20), 2**20, (64,), generator=gen).to(
+            torch.int32
+        )
+        self.lpts = (torch.rand(6, generator=gen) + 0.5) * 1e-2
+        self.lfbias = torch.randn(64, generator=gen).to(bf16).float()
         self._golden: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
@@ -156,6 +176,14 @@ class _Bench:
             )
         except UnsupportedError as exc:
             raise _Skip(str(exc)) from exc
+
+    def op(self, fn: Callable, *args, **kw):
+        """A linear op on the device (op layer: the device follows the tensors);
+        a capability refusal is a SKIP."""
+        try:
+            return fn(*[self.on(a) for a in args], **kw)
+        except CapabilityError as exc:
+            raise _Skip(str(exc).replace("\n", " ")) from exc
 
     def gqa_cache(self, dtype: torch.dtype, layout: str):
         """Golden caches from the per-token loops (memoized: slow by design)."""
@@ -293,11 +321,74 @@ def _mla_case(t: _Bench, q_mode: str, prefill: bool):
     return go
 
 
+def _device_budget(t: _Bench, want: torch.Tensor) -> float:
+    """0 on the emulation backends; on a device one code step (int8) or one unit
+    of the output dtype at the largest output magnitude."""
+    if t.floor == EMULATION_FLOOR:
+        return 0.0
+    if want.dtype == torch.int8:
+        return 1.0
+    return float(want.double().abs().max()) * torch.finfo(want.dtype).eps
+
+
+def _compare(t: _Bench, got: torch.Tensor, want: torch.Tensor):
+    err = float((got.cpu().double() - want.double()).abs().max())
+    allowed = _device_budget(t, want)
+    detail = "bit-equal to the golden reference" if err == 0 else "vs golden"
+    return err <= allowed, err, allowed, detail
+
+
+def _quantize_case(t: _Bench):
+    def go():
+        scale = torch.reciprocal(torch.tensor([0.041], dtype=torch.bfloat16)).float()
+        offset = torch.tensor([-4.0])
+        got = t.op(ref_linear.quantize_static, t.lx, scale, offset, div_mode=False)
+        return _compare(t, got, ref_linear.quantize_static_ref(t.lx, scale, offset))
+
+    return go
+
+
+def _dynamic_quant_case(t: _Bench):
+    def go():
+        codes, scales = t.op(ref_linear.dynamic_quant, t.lx)
+        want_codes, want_scales = ref_linear.dynamic_quant_ref(t.lx)
+        ok, err, allowed, detail = _compare(t, codes, want_codes)
+        rel = float(
+            ((scales.cpu() - want_scales).abs() / want_scales.clamp_min(1e-30)).max()
+        )
+        if rel > 2 * torch.finfo(torch.float32).eps:
+            return False, err, allowed, f"scales differ (relative {rel:.3g})"
+        return ok, err, allowed, detail
+
+    return go
+
+
+def _matmul_case(t: _Bench, out: torch.dtype, int64: bool):
+    def go():
+        deq = ref_linear.encode_deq_scale_int64(t.ldeq) if int64 else t.ldeq
+        args = (t.lxq, t.lw, deq, t.lbias)
+        got = t.op(ref_linear.quant_matmul, *args, out_dtype=out)
+        return _compare(t, got, ref_linear.quant_matmul_ref(*args, out))
+
+    return go
+
+
+def _matmul_dynamic_case(t: _Bench):
+    def go():
+        args = (t.lxq, t.lw, t.ldeq, t.lpts, t.lfbias)
+        got = t.op(ref_linear.quant_matmul_dynamic, *args, out_dtype=torch.bfloat16)
+        want = ref_linear.quant_matmul_dynamic_ref(*args, torch.bfloat16)
+        return _compare(t, got, want)
+
+    return go
+
+
 def _cases(t: _Bench) -> list[tuple[str, str, Callable]]:
     g = t.gqa_shapes
     dec = f"B=2 H={t.h} Hkv={t.hkv} D={t.d} BS={t.bs} L=40,150"
     pre = f"B=2 S=4 H={t.h} Hkv={t.hkv} D={t.d} BS={t.bs} L=40,150"
     mla = f"B=2 H={t.mh} R={t.r} Dr={t.dr} BS={t.bs} L=40,150"
+    lin = "M=6 K=256 N=64"
     return [
         ("reshape_and_cache bf16 nz", g, _cache_case(t, torch.bfloat16, "nz")),
         ("reshape_and_cache bf16 nd", g, _cache_case(t, torch.bfloat16, "nd")),
@@ -314,6 +405,11 @@ def _cases(t: _Bench) -> list[tuple[str, str, Callable]]:
         ("mla_paged_attention static-q", mla, _mla_case(t, "static", False)),
         ("mla_paged_attention float", mla, _mla_case(t, "float", False)),
         ("mla_prefill_attention", mla, _mla_case(t, "dynamic", True)),
+        ("quantize_static bf16", "M=6 K=256", _quantize_case(t)),
+        ("dynamic_quant bf16", "M=6 K=256", _dynamic_quant_case(t)),
+        ("quant_matmul bf16 fp32-deq", lin, _matmul_case(t, torch.bfloat16, False)),
+        ("quant_matmul fp16 int64-deq", lin, _matmul_case(t, torch.float16, True)),
+        ("quant_matmul_dynamic bf16", lin, _matmul_dynamic_case(t)),
     ]
 
 

@@ -25,8 +25,11 @@ __all__ = [
     "KV_LAYOUTS",
     "ATTENTION_MODES",
     "ATTENTION_OPS",
+    "LINEAR_OPS",
+    "LinearSpec",
     "attention_spec",
     "cache_write_spec",
+    "linear_spec",
 ]
 
 #: Paged KV-cache layouts:
@@ -161,6 +164,48 @@ def cache_write_spec(
         device_type=device_type,
         extra=(("rope_dim", rope_dim),) if mla else (),
     )
+
+
+#: W8A8 linear ops a :class:`LinearSpec` can describe (``ascend_fa::<op>``).
+LINEAR_OPS = (
+    "quantize_static",
+    "dynamic_quant",
+    "quant_matmul",
+    "quant_matmul_dynamic",
+)
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """A hashable description of one W8A8 linear op call (the ops of
+    ``atb_ops/linear.py``), checked against a device's capability table.
+
+    ``mode`` is ``"static"`` (``quantize_static``, ``quant_matmul``) or
+    ``"dynamic"``; ``input_dtype`` is the float activation dtype of a quantize op,
+    ``out_dtype`` / ``scale_dtype`` the output and ``deq_scale`` / ``weight_scale``
+    dtypes of a matmul; ``k`` / ``n`` the reduction and output widths;
+    ``scale_exact`` whether a quantize op's scale and offset keep their values in
+    the dtype the device takes them in. ``layout`` is always ``"nd"``.
+    """
+
+    op: str
+    mode: str
+    input_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+    scale_dtype: torch.dtype | None = None
+    k: int = 0
+    n: int = 0
+    scale_exact: bool = True
+    layout: str = "nd"
+    device_type: str = "cpu"
+
+
+def linear_spec(op: str, device_type: str, **fields) -> LinearSpec:
+    """The spec of a validated linear op call; ``mode`` follows from ``op``."""
+    if op not in LINEAR_OPS:
+        raise ValueError(f"linear_spec: op must be one of {LINEAR_OPS}, got {op!r}")
+    mode = "dynamic" if op in ("dynamic_quant", "quant_matmul_dynamic") else "static"
+    return LinearSpec(op=op, mode=mode, device_type=device_type, **fields)
 
 
 class CapabilityError(ValueError):

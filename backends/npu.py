@@ -34,6 +34,7 @@ from typing import ClassVar
 
 import torch
 
+from ..atb_ops import linear as linear_ops  # defines the ascend_fa:: linear ops
 from ..atb_ops.attention import mla_attention_info, paged_attention_info
 from . import npu_kernels
 from .base import (
@@ -44,6 +45,7 @@ from .base import (
     CapabilityError,
     attention_spec,
     cache_write_spec,
+    linear_spec,
 )
 from .npu_capabilities import (
     DEFAULT_RELEASE,
@@ -347,6 +349,68 @@ def _mla_prefill_kernel(
     _refuse(attention_spec("mla_prefill", info, "npu"))
 
 
+def _linear_require(spec) -> None:
+    """Refuse a linear op call the loaded release cannot run, before any call."""
+    reasons = table_reasons(spec, _KERNEL.release)
+    if reasons:
+        raise CapabilityError(_KERNEL.name, spec, reasons)
+
+
+def _exact_in(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    v = values.detach().float()
+    return bool(torch.equal(v.to(dtype).float(), v))
+
+
+def _quantize_static_kernel(x, scale, offset, div_mode):
+    if div_mode:  # float32 scales; the offset travels as int32 zero points
+        exact = _exact_in(offset, torch.int32)
+    else:  # scales and zero points in the input's dtype
+        exact = _exact_in(scale, x.dtype) and _exact_in(offset, x.dtype)
+    _linear_require(
+        linear_spec(
+            "quantize_static", "npu", input_dtype=x.dtype, k=int(x.shape[1]),
+            scale_exact=exact,
+        )
+    )  # fmt: skip
+    return npu_kernels.quantize_static(*_device(), x, scale, offset, div_mode)
+
+
+def _dynamic_quant_kernel(x):
+    _linear_require(
+        linear_spec("dynamic_quant", "npu", input_dtype=x.dtype, k=int(x.shape[1]))
+    )
+    return npu_kernels.dynamic_quant(*_device(), x)
+
+
+def _matmul_spec(op, x_q, weight, scale, out_dtype):
+    return linear_spec(
+        op,
+        "npu",
+        out_dtype=linear_ops.OUT_DTYPES[out_dtype],
+        scale_dtype=scale.dtype,
+        k=int(x_q.shape[1]),
+        n=int(weight.shape[0]),
+    )
+
+
+def _quant_matmul_kernel(x_q, weight, deq_scale, quant_bias, out_dtype):
+    _linear_require(_matmul_spec("quant_matmul", x_q, weight, deq_scale, out_dtype))
+    return npu_kernels.quant_matmul(
+        *_device(), x_q, weight, deq_scale, quant_bias, out_dtype
+    )
+
+
+def _quant_matmul_dynamic_kernel(
+    x_q, weight, weight_scale, pertoken_scale, bias, out_dtype
+):
+    _linear_require(
+        _matmul_spec("quant_matmul_dynamic", x_q, weight, weight_scale, out_dtype)
+    )
+    return npu_kernels.quant_matmul_dynamic(
+        *_device(), x_q, weight, weight_scale, pertoken_scale, bias, out_dtype
+    )
+
+
 _KERNELS = {
     "ascend_fa::reshape_and_cache": _cache_kernel,
     "ascend_fa::reshape_and_cache_mla": _mla_cache_kernel,
@@ -354,14 +418,19 @@ _KERNELS = {
     "ascend_fa::mla_paged_attention": _mla_decode_kernel,
     "ascend_fa::prefill_attention": _prefill_kernel,
     "ascend_fa::mla_prefill_attention": _mla_prefill_kernel,
+    "ascend_fa::quantize_static": _quantize_static_kernel,
+    "ascend_fa::dynamic_quant": _dynamic_quant_kernel,
+    "ascend_fa::quant_matmul": _quant_matmul_kernel,
+    "ascend_fa::quant_matmul_dynamic": _quant_matmul_dynamic_kernel,
 }
 
 
 def register_npu_kernels() -> bool:
-    """Register the NPU kernel of every ``ascend_fa`` attention / cache op for the
-    PrivateUse1 dispatch key (once per process). torch_npu names that key ``npu``
-    on import; an unrenamed key (``privateuseone``, e.g. a test process with a fake
-    torch_npu) is used as is. Returns whether the kernels are registered."""
+    """Register the NPU kernel of every ``ascend_fa`` attention / cache / linear op
+    for the PrivateUse1 dispatch key (once per process). torch_npu names that key
+    ``npu`` on import; an unrenamed key (``privateuseone``, e.g. a test process
+    with a fake torch_npu) is used as is. Returns whether the kernels are
+    registered."""
     with _LOCK:
         if "done" in _REGISTERED:
             return True

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionSpec
+from .base import AttentionSpec, LinearSpec
 
 __all__ = [
     "RELEASES",
@@ -80,6 +80,7 @@ __all__ = [
     "CALLS",
     "ROUTES",
     "RULES",
+    "LINEAR_RULES",
     "parse_schema",
     "call_spec",
     "route_for",
@@ -339,6 +340,14 @@ _QUANTIZE = (
     "npu_quantize(Tensor self, Tensor scales, Tensor? zero_points, {dtype} dtype, "
     "int axis=1, bool div_mode=True) -> Tensor"
 )
+_QUANT_MATMUL_HEAD = (
+    "npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
+    "Tensor? pertoken_scale=None, Tensor? bias=None, "
+)
+_DYNAMIC_QUANT_HEAD = (
+    "npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, "
+    "Tensor? group_index=None, "
+)
 _RESHAPE_AND_CACHE = (
     "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
     "Tensor(b!) value_cache, Tensor slot_indices) -> ()"
@@ -417,6 +426,45 @@ _SCHEMAS: dict[str, list[tuple[str, str, dict[str, Citation]]]] = {
             _QUANTIZE.format(dtype="int"),
             "op_plugin",
             {"26.0.0": _src("26.0.0", _YAML, "line 6592")},
+        ),
+    ],
+    # The yaml's "custom" section; 7.1.0 also keeps a torch 2.0-only overload with
+    # a positional ``str? output_dtype`` (op_api: v2.0), which the table leaves out.
+    "npu_quant_matmul": [
+        (
+            _QUANT_MATMUL_HEAD
+            + "ScalarType? output_dtype=None, SymInt[]? group_sizes=None) -> Tensor",
+            "op_plugin",
+            {
+                r: _src(r, _YAML, f"line {ln}")
+                for r, ln in (("7.1.0", 7203), ("7.2.0", 6257), ("7.3.0", 6328))
+            },
+        ),
+        (
+            # 26.0.0 types output_dtype as int; vllm-ascend passes a torch.dtype
+            # (methods/w8a8_static.py, apply: output_dtype=layer.params_dtype)
+            _QUANT_MATMUL_HEAD
+            + "int? output_dtype=None, int? x1_dtype=None, int? x2_dtype=None, "
+            "int? pertoken_scale_dtype=None, int? scale_dtype=None, "
+            "int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor",
+            "op_plugin",
+            {"26.0.0": _src("26.0.0", _YAML, "line 6552")},
+        ),
+    ],
+    "npu_dynamic_quant": [
+        (
+            _DYNAMIC_QUANT_HEAD + "ScalarType? dst_type=None) -> (Tensor, Tensor)",
+            "op_plugin",
+            {
+                r: _src(r, _YAML, f"line {ln}")
+                for r, ln in (("7.1.0", 6814), ("7.2.0", 5841), ("7.3.0", 5864))
+            },
+        ),
+        (
+            _DYNAMIC_QUANT_HEAD + 'int? dst_type=None, str quant_mode="pertoken", '
+            "float dst_type_max=0.0) -> (Tensor, Tensor)",
+            "op_plugin",
+            {"26.0.0": _src("26.0.0", _YAML, "line 5906")},
         ),
     ],
     "_npu_reshape_and_cache": [
@@ -522,17 +570,21 @@ class AtMost:
 def _show(value: object) -> str:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_show(v) for v in value) + ")"
     return repr(value)
 
 
 # -- spec fields -----------------------------------------------------------------------
-def spec_value(spec: AttentionSpec, name: str) -> object:
+def spec_value(spec: AttentionSpec | LinearSpec, name: str) -> object:
     """A field of ``spec`` or a quantity derived from it, by name.
 
     Derived: ``head_pair`` ``(H, Hkv)``, ``group`` ``H // Hkv``, ``kv_width``
     ``Hkv*D``, ``rope_dim`` (MLA ``Dr``), ``dtypes_match`` (query dtype == cache
-    dtype).
+    dtype); of a linear spec ``deq_pair`` ``(scale dtype, output dtype)``.
     """
+    if name == "deq_pair":
+        return (spec.scale_dtype, spec.out_dtype)
     if name == "head_pair":
         return (spec.num_heads, spec.num_kv_heads)
     if name == "group":
@@ -551,6 +603,10 @@ _FIELD_NAMES = {
     "group": "num_heads // num_kv_heads",
     "kv_width": "Hkv*D",
     "dtypes_match": "query dtype == cache dtype",
+    "deq_pair": "(deq_scale dtype, output dtype)",
+    "k": "K (x1 last dim)",
+    "n": "N (x2 last dim)",
+    "scale_exact": "scale and offset exact in the input dtype",
 }
 
 
@@ -687,10 +743,51 @@ ROUTES: tuple[Route, ...] = (
         ),
         "npu_fused_infer_attention_score_v2 first appears in 7.2.0",
     ),
+    # --- W8A8 linears (every release has the three calls) ---------------------------
+    Route(
+        "route.linear.quantize_static",
+        "quantize_static",
+        ("static",),
+        "nd",
+        ("npu_quantize",),
+        "7.1.0",
+        (_vllm("vllm_ascend/ops/register_custom_ops.py", "_quantize_impl"),),
+        "per-tensor activations: npu_quantize(x, 1 / input_scale, input_offset, "
+        "qint8, -1, div_mode=False), as vllm-ascend's W8A8 apply calls it",
+    ),
+    Route(
+        "route.linear.dynamic_quant",
+        "dynamic_quant",
+        ("dynamic",),
+        "nd",
+        ("npu_dynamic_quant",),
+        "7.1.0",
+        (_vllm("vllm_ascend/quantization/methods/w8a8_dynamic.py", "apply"),),
+    ),
+    Route(
+        "route.linear.quant_matmul",
+        "quant_matmul",
+        ("static",),
+        "nd",
+        ("npu_quant_matmul",),
+        "7.1.0",
+        (_vllm("vllm_ascend/quantization/methods/w8a8_static.py", "apply"),),
+        "int32 quant_bias, deq_scale float32 (bf16 models) or int64 (fp16 models)",
+    ),
+    Route(
+        "route.linear.quant_matmul_dynamic",
+        "quant_matmul_dynamic",
+        ("dynamic",),
+        "nd",
+        ("npu_quant_matmul",),
+        "7.1.0",
+        (_vllm("vllm_ascend/quantization/methods/w8a8_dynamic.py", "apply"),),
+        "pertoken_scale from npu_dynamic_quant, float32 weight_scale",
+    ),
 )
 
 
-def route_for(spec: AttentionSpec) -> Route | None:
+def route_for(spec: AttentionSpec | LinearSpec) -> Route | None:
     """The route serving ``spec`` (any release), or None when nothing maps it."""
     for r in ROUTES:
         if r.op == spec.op and spec.mode in r.modes and r.layout == spec.layout:
@@ -1131,8 +1228,9 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "quantize.args",
         "npu_quantize",
-        "symmetric per-channel quantize: float16/bfloat16/float32 input, float32 "
-        "scales [input.shape[axis]], zero_points None, dtype qint8, div_mode=True",
+        "div_mode=True (cache writes: symmetric per channel): float16/bfloat16/"
+        "float32 input, float32 scales [input.shape[axis]], zero_points None (or "
+        "int32 of the scales' shape for an integer offset), dtype qint8",
         _ALL,
         _docs(
             "npu_quantize",
@@ -1246,6 +1344,169 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+_QMM = "npu_quant_matmul"
+_MATMULS = ("quant_matmul", "quant_matmul_dynamic")
+#: npu_quant_matmul page, the A2/A3 table of supported dtype combinations.
+_QMM_TABLE = {
+    "7.1.0": "table 2 (Atlas A2), line 137",
+    "7.2.0": "table 2 (Atlas A2/A3), lines 114-124",
+    "7.3.0": "table 2 (Atlas A2/A3), lines 106-116",
+    "26.0.0": "table 2 (Atlas A2/A3), lines 108-118",
+}
+_QMM_LAST_DIM = {
+    "7.1.0": "constraints, line 68",
+    "7.2.0": "constraints, line 91",
+    "7.3.0": "constraints, line 83",
+    "26.0.0": "constraints, line 84",
+}
+_QUANTIZE_MUL = {
+    "7.1.0": "scales / zero_points with div_mode False, lines 32-44",
+    "7.2.0": "scales / zero_points with div_mode False, lines 42-54",
+    "7.3.0": "scales / zero_points with div_mode False, lines 43-54",
+    "26.0.0": "scales / zero_points with div_mode False, lines 43-54",
+}
+
+LINEAR_RULES: tuple[Rule, ...] = (
+    Rule(
+        "quantize.static.input_dtype",
+        "npu_quantize",
+        "npu_quantize takes a float16, bfloat16 or float32 input",
+        _ALL,
+        _docs(
+            "npu_quantize",
+            {
+                "7.1.0": "input, lines 23-25",
+                "7.2.0": "input, lines 33-35",
+                "7.3.0": "input, lines 34-36",
+                "26.0.0": "input, lines 34-36",
+            },
+        ),
+        when=(("op", ("quantize_static",)),),
+        field="input_dtype",
+        allowed=OneOf((torch.float16, torch.bfloat16, torch.float32)),
+    ),
+    Rule(
+        "quantize.mul_mode.scale_dtype",
+        "npu_quantize",
+        "with div_mode=False scales and zero_points have the input's dtype (so the "
+        "float32 scale and offset must be exact in it: a cast would change the "
+        "codes); with div_mode=True the offset is an integer (int32 zero_points)",
+        _ALL,
+        _docs("npu_quantize", _QUANTIZE_MUL),
+        when=(("op", ("quantize_static",)),),
+        field="scale_exact",
+        allowed=OneOf((True,)),
+    ),
+    Rule(
+        "quantize.mul_mode",
+        "npu_quantize",
+        "div_mode=False: scales 1-D with input.shape[axis] (or 1) entries, "
+        "zero_points None or of the scales' shape and dtype, dtype qint8, "
+        "axis >= -2; the mapping passes [K] vectors and axis -1 as vllm-ascend does",
+        _ALL,
+        _docs("npu_quantize", _QUANTIZE_MUL)
+        + (_vllm("vllm_ascend/quantization/methods/w8a8_static.py", "aclnn_input"),),
+        kind="argument",
+    ),
+    Rule(
+        "dynamic_quant.input_dtype",
+        "npu_dynamic_quant",
+        "npu_dynamic_quant takes a float16 or bfloat16 input",
+        _ALL,
+        _docs(
+            "npu_dynamic_quant",
+            {
+                "7.1.0": "x, line 28",
+                "7.2.0": "x, line 38",
+                "7.3.0": "x, line 38",
+                "26.0.0": "x, line 38",
+            },
+        ),
+        when=(("op", ("dynamic_quant",)),),
+        field="input_dtype",
+        allowed=OneOf((torch.float16, torch.bfloat16)),
+    ),
+    Rule(
+        "dynamic_quant.args",
+        "npu_dynamic_quant",
+        "x at least 2-D; no smooth_scales / group_index; dst_type None (int8): "
+        "returns int8 y of x's shape and float32 scale of x.shape[:-1]",
+        _ALL,
+        _docs(
+            "npu_dynamic_quant",
+            {"7.1.0": "parameters, lines 28-39", "26.0.0": "parameters, lines 38-50"},
+        ),
+        kind="argument",
+    ),
+    Rule(
+        "qmm.out_dtype",
+        _QMM,
+        "npu_quant_matmul's float outputs are float16 and bfloat16 (no float32)",
+        _ALL,
+        _docs(_QMM, _QMM_TABLE),
+        when=(("op", _MATMULS),),
+        field="out_dtype",
+        allowed=OneOf((torch.float16, torch.bfloat16)),
+    ),
+    Rule(
+        "qmm.k",
+        _QMM,
+        "the last dims of x1 (K) and x2 (N) must not exceed 65535",
+        _ALL,
+        _docs(_QMM, _QMM_LAST_DIM),
+        when=(("op", _MATMULS),),
+        field="k",
+        allowed=AtMost(65535),
+    ),
+    Rule(
+        "qmm.n",
+        _QMM,
+        "the last dims of x1 (K) and x2 (N) must not exceed 65535",
+        _ALL,
+        _docs(_QMM, _QMM_LAST_DIM),
+        when=(("op", _MATMULS),),
+        field="n",
+        allowed=AtMost(65535),
+    ),
+    Rule(
+        "qmm.deq_scale",
+        _QMM,
+        "without pertoken_scale: an int64 scale only with a float16 output, a "
+        "float32 scale with float16 or bfloat16",
+        _ALL,
+        _docs(_QMM, _QMM_TABLE),
+        when=(("op", ("quant_matmul",)),),
+        field="deq_pair",
+        allowed=OneOf(
+            (
+                (torch.int64, torch.float16),
+                (torch.float32, torch.float16),
+                (torch.float32, torch.bfloat16),
+            )
+        ),
+    ),
+    Rule(
+        "qmm.args",
+        _QMM,
+        "x1 int8 [M, K], x2 int8 [K, N] contiguous (the checkpoint's [N, K] "
+        "transposed, as vllm-ascend stores it), scale 1-D [N], no offset; static: "
+        "int32 bias [N] or None, no pertoken_scale; dynamic: float32 "
+        "pertoken_scale [M], float32 scale, float32 bias [N] or None",
+        _ALL,
+        _docs(_QMM, _QMM_TABLE)
+        + (
+            _vllm(
+                "vllm_ascend/quantization/methods/w8a8_static.py",
+                "process_weights_after_loading: weight.transpose(0, 1).contiguous()",
+            ),
+        ),
+        kind="argument",
+    ),
+)
+
+RULES = RULES + LINEAR_RULES
+
+
 def rules_for(release: str, *, kind: str | None = None) -> tuple[Rule, ...]:
     """The rules holding in ``release`` (of one ``kind`` when given)."""
     release_index(release)
@@ -1272,7 +1533,7 @@ def _reason(r: Rule, value: object, release: str) -> str:
     )
 
 
-def _route_reasons(spec: AttentionSpec, release: str) -> list[str]:
+def _route_reasons(spec: AttentionSpec | LinearSpec, release: str) -> list[str]:
     route = route_for(spec)
     if route is None:
         served = [f"{r.layout} {'/'.join(r.modes)}" for r in ROUTES if r.op == spec.op]
@@ -1303,7 +1564,7 @@ def _route_reasons(spec: AttentionSpec, release: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_reasons(spec: AttentionSpec, release: str) -> tuple[str, ...]:
+def _cached_reasons(spec: AttentionSpec | LinearSpec, release: str) -> tuple[str, ...]:
     reasons = _route_reasons(spec, release)
     for r in rules_for(release, kind="spec"):
         if r.applies(spec):
@@ -1313,7 +1574,7 @@ def _cached_reasons(spec: AttentionSpec, release: str) -> tuple[str, ...]:
     return tuple(reasons)
 
 
-def unsupported_reasons(spec: AttentionSpec, release: str) -> list[str]:
+def unsupported_reasons(spec: AttentionSpec | LinearSpec, release: str) -> list[str]:
     """Every reason torch_npu ``release`` cannot run ``spec``, from the table.
 
     Each names the rule (``[id]``), the offending value, what is allowed, the

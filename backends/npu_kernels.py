@@ -24,6 +24,11 @@ op (``ascend_fa::``)            torch_npu calls
                                 (ATB) over ND int8 caches
 ``mla_paged_attention``         ``npu_fused_infer_attention_score_v2``
                                 (``BSND_NBSD``, NZ latent and rope)
+``quantize_static``             ``npu_quantize`` (``div_mode=False``: scale and
+                                offset in the input dtype, ``[K]`` vectors)
+``dynamic_quant``               ``npu_dynamic_quant``
+``quant_matmul``                ``npu_quant_matmul`` (int32 bias, ``deq_scale``)
+``quant_matmul_dynamic``        ``npu_quant_matmul`` (``pertoken_scale``)
 ==============================  ====================================================
 """
 
@@ -33,6 +38,7 @@ import torch
 
 from ..atb_ops import INT8_MAX, INT8_MIN, c0, c8_codes
 from ..atb_ops.attention import PagedAttentionInfo, dynamic_query_scale
+from ..atb_ops.linear import OUT_DTYPES
 from ..atb_ops.params import (
     FusedInferAttentionParams,
     FusedInferAttentionV2Params,
@@ -50,6 +56,10 @@ __all__ = [
     "reshape_and_cache_mla",
     "paged_attention",
     "mla_paged_attention",
+    "quantize_static",
+    "dynamic_quant",
+    "quant_matmul",
+    "quant_matmul_dynamic",
 ]
 
 
@@ -87,11 +97,15 @@ def quantize_rows(tnpu, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         *params.args(),
         **params.kwargs(),
     )
+    return _int8(codes).view(t, h, d)
+
+
+def _int8(codes: torch.Tensor) -> torch.Tensor:
     if codes.is_quantized:  # a qint8 tensor carries its codes as int_repr
-        codes = codes.int_repr()
-    elif codes.dtype != torch.int8:
-        codes = codes.view(torch.int8)
-    return codes.view(t, h, d)
+        return codes.int_repr()
+    if codes.dtype != torch.int8:
+        return codes.view(torch.int8)
+    return codes
 
 
 def scatter_into_cache(
@@ -387,3 +401,103 @@ def mla_paged_attention(
     )
     # NBSD [H, B, 1, R] -> [B, H, R]
     return out.permute(1, 2, 0, 3).reshape(b, h, r).to(q_nope.dtype)
+
+
+# -- W8A8 linears ---------------------------------------------------------------------
+def quantize_static(
+    tnpu,
+    release: str,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    div_mode: bool,
+) -> torch.Tensor:
+    """Per-tensor static codes of ``x`` ``[M, K]`` through ``npu_quantize``.
+
+    [quantize.mul_mode] ``div_mode=False`` (what vllm-ascend's W8A8 apply calls,
+    with ``1 / input_scale``): scales and zero_points in the input's dtype, each
+    the ``[1]`` value repeated over ``K`` as vllm-ascend's
+    ``process_weights_after_loading`` repeats ``input_scale`` / ``input_offset``;
+    the kernel refused values a cast would change before this call
+    [quantize.mul_mode.scale_dtype]. ``div_mode=True``: float32 scales and, for a
+    non-zero offset, int32 zero points [quantize.args].
+    """
+    k = x.shape[1]
+    if div_mode:
+        scales = scale.to(torch.float32).reshape(1).expand(k).contiguous()
+        zero = None
+        if bool((offset != 0).any()):
+            zero = offset.to(torch.int32).reshape(1).expand(k).contiguous()
+    else:
+        scales = scale.to(x.dtype).reshape(1).expand(k).contiguous()
+        zero = offset.to(x.dtype).reshape(1).expand(k).contiguous()
+    params = QuantizeParams(div_mode=bool(div_mode))
+    codes = tnpu.npu_quantize(x, scales, zero, *params.args(), **params.kwargs())
+    return _int8(codes)
+
+
+def dynamic_quant(
+    tnpu, release: str, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes and fp32 scales of ``x`` ``[M, K]`` through
+    ``npu_dynamic_quant`` [dynamic_quant.args].
+
+    The device leaves an all-zero row undefined (``0 / 0``); its scale is 0, so
+    the row's codes are set to 0 here: the op's documented safe value, and the
+    matmul output of that row (scaled by 0) does not depend on them anyway.
+    """
+    codes, scale = tnpu.npu_dynamic_quant(x)
+    codes = _int8(codes)
+    scale = scale.to(torch.float32).reshape(x.shape[0])
+    codes = torch.where(scale[:, None] > 0, codes, torch.zeros_like(codes))
+    return codes, scale
+
+
+def _weight_kn(weight: torch.Tensor) -> torch.Tensor:
+    # [qmm.args] x2 is [K, N]: vllm-ascend stores weight.transpose(0, 1)
+    # .contiguous() after loading (methods/w8a8_static.py, w8a8_dynamic.py).
+    return weight.t().contiguous()
+
+
+def quant_matmul(
+    tnpu,
+    release: str,
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    """``(x_q @ weight^T + quant_bias) * deq_scale`` through ``npu_quant_matmul``
+    with an int32 bias and a float32 or int64 (fp32 bits) scale [qmm.args]."""
+    return tnpu.npu_quant_matmul(
+        x_q.contiguous(),
+        _weight_kn(weight),
+        deq_scale.contiguous(),
+        bias=quant_bias,
+        output_dtype=OUT_DTYPES[out_dtype],
+    )
+
+
+def quant_matmul_dynamic(
+    tnpu,
+    release: str,
+    x_q: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: str,
+) -> torch.Tensor:
+    """``x_q @ weight^T * weight_scale * pertoken_scale + bias`` through
+    ``npu_quant_matmul(pertoken_scale=...)`` [qmm.args]: float32 scales and a
+    float32 bias (a float16 bias is not in the page's table for a float16 output;
+    float32 holds any float16/bfloat16 value exactly)."""
+    return tnpu.npu_quant_matmul(
+        x_q.contiguous(),
+        _weight_kn(weight),
+        weight_scale.to(torch.float32).contiguous(),
+        pertoken_scale=pertoken_scale.to(torch.float32).contiguous(),
+        bias=None if bias is None else bias.to(torch.float32).contiguous(),
+        output_dtype=OUT_DTYPES[out_dtype],
+    )

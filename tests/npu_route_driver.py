@@ -336,6 +336,31 @@ def _():
     return expect_refusal(lambda: mla_decode(case, lc, rc, True, False), *names)
 
 
+@check("linear_ops")
+def _():
+    from ascend_fa.atb_ops import linear as lin
+    from ascend_fa.backends import CapabilityError
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 64, generator=gen) * 3).bfloat16()
+    w = torch.randint(-128, 128, (32, 64), generator=gen).to(torch.int8)
+    ws = (torch.rand(32, generator=gen) + 0.5) * 1e-3
+    codes, pts = lin.dynamic_quant(npu(x))
+    assert codes.device.type == "npu" and FAKE.call_names == ["npu_dynamic_quant"]
+    y = lin.quant_matmul_dynamic(codes, npu(w), npu(ws), pts, out_dtype=torch.bfloat16)
+    want_codes, want_pts = lin.dynamic_quant_ref(x)
+    want = lin.quant_matmul_dynamic_ref(want_codes, w, ws, want_pts, None, y.dtype)
+    assert torch.equal(y.cpu(), want), "dynamic linear differs from the golden"
+    FAKE.calls.clear()
+    try:
+        lin.quant_matmul_dynamic(codes, npu(w), npu(ws), pts, out_dtype=torch.float32)
+    except CapabilityError as exc:
+        assert "[qmm.out_dtype]" in str(exc) and f"torch_npu {RELEASE}" in str(exc)
+        assert FAKE.calls == [], FAKE.call_names
+        return "dynamic linear bit-equal; float32 output refused"
+    raise AssertionError("float32 output not refused")
+
+
 def _selftest():
     from ascend_fa.selftest import run_selftest
 

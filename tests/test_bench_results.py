@@ -91,3 +91,47 @@ def test_unusable_backend_is_one_line(capsys):
     assert main(["bench", "layout", "--backend", "cuda", "--quick"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "cuda" in err
+
+
+def test_linear_accuracy_records_one_per_recipe_and_goal(tmp_path):
+    from ascend_fa.benchmarks.linear_accuracy import MODES, accuracy_records
+    from ascend_fa.evaluation import EvalResult
+
+    # per recipe: (KL, top-1, perplexity against a float perplexity of 10)
+    measured = {
+        "faquant": (0.004, 0.96, 10.0),
+        "w8a8_rtn": (0.6, 0.55, 18.0),
+        "w8a8": (0.02, 0.91, 10.2),
+        "w8a8_dynamic": (0.03, 0.92, 10.1),
+    }
+    names = {mode: name for name, mode in MODES.items()}
+    results = {
+        d: {
+            names[m]: EvalResult(names[m], 100, 10.0, p, kl=kl, top1=t)
+            for m, (kl, t, p) in measured.items()
+        }
+        for d in ("prose", "code")
+    }
+    info = {
+        names[m]: {
+            "seconds": 10.0 * (i + 1),
+            "ratio": float(i + 1),
+            "float": 3 if m == "w8a8" else 0,
+            "linears": 0 if m == "faquant" else 30,
+            "report": None,
+        }
+        for i, m in enumerate(measured)
+    }
+    records = accuracy_records(results, info, {"samples": 2})
+    by_mode = {r.mode: r for r in records}
+    assert by_mode["faquant"].goal is None and by_mode["w8a8"].goal == "<= 1.35"
+    assert by_mode["w8a8"].verdict == "miss"  # calibration took 3x plain forwards
+    assert by_mode["w8a8 prose KL"].verdict == "ok"
+    assert by_mode["w8a8 code top-1"].verdict == "ok"
+    assert by_mode["w8a8 prose RTN KL / default KL"].ratio == pytest.approx(30.0)
+    assert by_mode["w8a8_dynamic code KL"].verdict == "miss"
+    assert by_mode["w8a8 linears float fraction"].verdict == "ok"
+    assert by_mode["w8a8"].extra["accuracy"]["code"]["kl"] == 0.02
+    doc = write_results(tmp_path / "r.json", records, backend="cpu")
+    assert load_results(tmp_path / "r.json")["schema"] == SCHEMA == doc["schema"]
+    assert len(doc["records"]) == 4 + 2 * 6 + 1

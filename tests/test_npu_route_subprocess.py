@@ -47,7 +47,7 @@ def _drive(release: str, *extra: str) -> dict:
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_public_api_on_npu_tensors(release):
-    assert len(_drive(release)) == 14
+    assert len(_drive(release)) == 15
 
 
 def _selftest(release: str) -> None:

@@ -21,7 +21,7 @@ def cpu_result():
 
 def test_every_case_passes_on_cpu(cpu_result):
     assert cpu_result.ok and cpu_result.backend == "cpu"
-    assert cpu_result.counts == {"PASS": 15, "FAIL": 0, "SKIP": 0}
+    assert cpu_result.counts == {"PASS": 20, "FAIL": 0, "SKIP": 0}
     rows = {r.op: r for r in cpu_result.rows}
     write = rows["reshape_and_cache int8 nz"]
     assert (write.max_error, write.budget) == (0.0, 0.0)

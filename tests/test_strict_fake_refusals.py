@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import strict_fake_torch_npu as fake_npu
 import torch
-from ascend_fa.backends.base import AttentionSpec
+from ascend_fa.backends.base import AttentionSpec, linear_spec
 from ascend_fa.backends.npu_capabilities import RELEASES, RULES, unsupported_reasons
 
 BF16, I8 = torch.bfloat16, torch.int8
@@ -28,6 +28,40 @@ def _quantize(**kw):
     )
     args.update(kw)
     return "npu_quantize", (), args
+
+
+def _quantize_mul(**kw):
+    args = dict(
+        self=torch.randn(4, 256).bfloat16(),
+        scales=torch.full((256,), 0.5, dtype=BF16),
+        zero_points=torch.full((256,), 3.0, dtype=BF16),
+        dtype=torch.qint8,
+        axis=-1,
+        div_mode=False,
+    )
+    args.update(kw)
+    return "npu_quantize", (), args
+
+
+def _dynamic(**kw):
+    args = dict(input=torch.randn(4, 256).bfloat16())
+    args.update(kw)
+    return "npu_dynamic_quant", (), args
+
+
+def _qmm(m=4, k=256, n=64, dynamic=False, **kw):
+    args = dict(
+        x1=torch.randint(-128, 128, (m, k), dtype=I8),
+        x2=torch.randint(-128, 128, (k, n), dtype=I8),
+        scale=torch.full((n,), 1e-4),
+        output_dtype=BF16,
+    )
+    if dynamic:
+        args.update(pertoken_scale=torch.full((m,), 0.01), bias=torch.zeros(n))
+    else:
+        args.update(bias=torch.zeros(n, dtype=torch.int32))
+    args.update(kw)
+    return "npu_quant_matmul", (), args
 
 
 def _scatter(release="26.0.0", dtype=I8, last=32, **kw):
@@ -151,6 +185,23 @@ def _mla(n=16, r=512, dr=64, bs=128, quant=True, rope_dtype=BF16, **kw):
 
 GOOD = [
     ("26.0.0", _quantize()),
+    ("7.1.0", _quantize(zero_points=torch.full((256,), 2, dtype=torch.int32))),
+    ("7.1.0", _quantize_mul()),
+    (
+        "26.0.0",
+        _quantize_mul(scales=torch.full((1,), 0.5, dtype=BF16), zero_points=None),
+    ),  # fmt: skip
+    ("7.1.0", _dynamic()),
+    ("26.0.0", _dynamic(input=torch.randn(2, 3, 64).half())),
+    ("7.1.0", _qmm()),
+    (
+        "7.3.0",
+        _qmm(
+            scale=torch.full((64,), 1000, dtype=torch.int64), output_dtype=torch.float16
+        ),
+    ),  # fmt: skip
+    ("26.0.0", _qmm(dynamic=True)),
+    ("7.2.0", _qmm(dynamic=True, output_dtype=torch.float16, bias=None)),
     ("7.2.0", _scatter("7.2.0")),
     ("26.0.0", _scatter()),
     ("26.0.0", _scatter(dtype=BF16, last=16)),
@@ -257,7 +308,33 @@ COUNTER = {
             value_cache=torch.zeros(2, 128, 1, 64, dtype=BF16),
         ),
     ),
-    "quantize.args": ("7.1.0", _quantize(div_mode=False)),
+    "quantize.args": ("7.1.0", _quantize(scales=torch.rand(128) + 0.1)),
+    "quantize.static.input_dtype": (
+        "26.0.0",
+        _quantize_mul(self=torch.randn(4, 256).double()),
+    ),
+    "quantize.mul_mode.scale_dtype": (
+        "7.2.0",
+        _quantize_mul(scales=torch.full((256,), 0.5), zero_points=torch.zeros(256)),
+    ),
+    "quantize.mul_mode": ("7.3.0", _quantize_mul(axis=-3)),
+    "dynamic_quant.input_dtype": ("26.0.0", _dynamic(input=torch.randn(4, 256))),
+    "dynamic_quant.args": (
+        "7.1.0",
+        _dynamic(smooth_scales=torch.ones(256, dtype=BF16)),
+    ),
+    "qmm.out_dtype": ("26.0.0", _qmm(output_dtype=torch.float32)),
+    "qmm.k": ("7.1.0", _qmm(m=1, k=65536, n=1)),
+    "qmm.n": ("7.2.0", _qmm(m=1, k=1, n=65536)),
+    "qmm.deq_scale": (
+        "26.0.0",
+        _qmm(scale=torch.full((64,), 1000, dtype=torch.int64)),
+    ),
+    "qmm.args": (
+        "7.3.0",
+        # the checkpoint's [N, K] weight passed as x2 without the transpose
+        _qmm(x2=torch.zeros(64, 256, dtype=I8)),
+    ),
     "fia2.mla.heads": ("26.0.0", _mla(n=12)),
     "fia2.mla.latent_dim": ("26.0.0", _mla(r=256)),
     "fia2.mla.rope_dim": ("26.0.0", _mla(dr=32)),
@@ -410,6 +487,69 @@ SPEC_COUNTER = {
         _mla_spec(mode="float", cache_dtype=BF16, query_dtype=torch.float32),
         "float32",
     ),
+    "quantize.static.input_dtype": (
+        "7.1.0",
+        linear_spec("quantize_static", "npu", input_dtype=torch.float64, k=64),
+        "float64",
+    ),
+    "quantize.mul_mode.scale_dtype": (
+        "26.0.0",
+        linear_spec("quantize_static", "npu", input_dtype=BF16, scale_exact=False),
+        "False",
+    ),
+    "dynamic_quant.input_dtype": (
+        "7.2.0",
+        linear_spec("dynamic_quant", "npu", input_dtype=torch.float32, k=64),
+        "float32",
+    ),
+    "qmm.out_dtype": (
+        "7.3.0",
+        linear_spec(
+            "quant_matmul_dynamic",
+            "npu",
+            out_dtype=torch.float32,
+            scale_dtype=torch.float32,
+            k=64,
+            n=64,
+        ),  # fmt: skip
+        "float32",
+    ),
+    "qmm.k": (
+        "26.0.0",
+        linear_spec(
+            "quant_matmul",
+            "npu",
+            out_dtype=BF16,
+            scale_dtype=torch.float32,
+            k=70000,
+            n=64,
+        ),  # fmt: skip
+        "70000",
+    ),
+    "qmm.n": (
+        "7.1.0",
+        linear_spec(
+            "quant_matmul_dynamic",
+            "npu",
+            out_dtype=BF16,
+            scale_dtype=torch.float32,
+            k=64,
+            n=65536,
+        ),  # fmt: skip
+        "65536",
+    ),
+    "qmm.deq_scale": (
+        "26.0.0",
+        linear_spec(
+            "quant_matmul",
+            "npu",
+            out_dtype=BF16,
+            scale_dtype=torch.int64,
+            k=64,
+            n=64,
+        ),  # fmt: skip
+        "(int64, bfloat16)",
+    ),
 }
 
 
@@ -430,6 +570,24 @@ def test_the_table_refuses_the_counter_spec(rule_id):
 def test_documented_configurations_pass_the_table(release):
     newer = RELEASES.index(release) >= 1
     ok = [
+        linear_spec("quantize_static", "npu", input_dtype=BF16, k=4096),
+        linear_spec("dynamic_quant", "npu", input_dtype=torch.float16, k=4096),
+        linear_spec(
+            "quant_matmul",
+            "npu",
+            out_dtype=torch.float16,
+            scale_dtype=torch.int64,
+            k=4096,
+            n=65535,
+        ),  # fmt: skip
+        linear_spec(
+            "quant_matmul_dynamic",
+            "npu",
+            out_dtype=BF16,
+            scale_dtype=torch.float32,
+            k=65535,
+            n=4096,
+        ),  # fmt: skip
         _float_spec(),
         _spec(mode="faquant", layout="nd"),
         _spec(op="cache_write", layout="nd"),

@@ -1,5 +1,5 @@
-"""``ascend-fa selftest [--backend NAME] [--json]``: every cache write and attention
-variant on a backend against the CPU golden references (see
+"""``ascend-fa selftest [--backend NAME] [--json]``: every cache write, attention
+variant and W8A8 linear op on a backend against the CPU golden references (see
 :mod:`ascend_fa.selftest`). Prints a table (op, shapes, max error, budget, status)
 or, with ``--json``, one JSON document. Exit status 1 when any case fails; 2 (one
 line) when the backend cannot be used here, e.g. ``npu`` without torch_npu."""
@@ -10,7 +10,7 @@ import argparse
 import json
 
 COMMAND = "selftest"
-HELP = "run every cache/attention op on a backend and compare with the CPU reference"
+HELP = "run every cache/attention/linear op on a backend vs the CPU reference"
 
 __all__ = ["COMMAND", "HELP", "add_arguments", "run"]
 

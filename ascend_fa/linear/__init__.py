@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascend_fa.transforms.residual import rotate_residual
+
 from .engine import (
     FALLBACK_CRITERIA,
     LINEAR_MODES,
@@ -90,16 +92,22 @@ def calibrate_linears(
     progress: Any = None,
     keep_floats: bool = True,
 ) -> LinearResult:
-    """Quantize ``model``'s linears in place on the calibration ``batches`` (layer
-    by layer) and keep the most sensitive groups float as ``config.fallback`` says,
-    measured on ``scan_batches`` (no scan data means no fallback): with
-    ``config.criterion == "layer"`` each layer's groups are chosen before the
-    layer's outputs go on (:class:`LayerFallback`); with ``"kl"`` the scan data's
-    float logits are taken first and the whole quantized model is scanned after
-    (:func:`apply_fallback`). ``progress`` (a bar) advances per layer.
-    ``keep_floats=False`` (criterion ``"layer"``) drops the records' module copies
-    as each layer is placed: memory then does not grow with depth, and the result
-    can no longer put groups back to float."""
+    """Rotate ``model``'s residual stream when ``config.rotate`` says so, quantize
+    its linears in place on the calibration ``batches`` (layer by layer) and keep
+    the most sensitive groups float as ``config.fallback`` says, measured on
+    ``scan_batches`` (no scan data means no fallback): with ``config.criterion ==
+    "layer"`` each layer's groups are chosen before the layer's outputs go on
+    (:class:`LayerFallback`); with ``"kl"`` the scan data's float logits are taken
+    first and the whole quantized model is scanned after (:func:`apply_fallback`).
+    ``progress`` (a bar) advances per layer. ``keep_floats=False`` (criterion
+    ``"layer"``) drops the records' module copies as each layer is placed: memory
+    then does not grow with depth, and the result can no longer put groups back to
+    float."""
+    rotation = None
+    if config.rotate:
+        # Exact in float (the reference logits below are unchanged by it); makes
+        # the RMSNorm-ed inputs flat enough for one per-tensor activation scale.
+        rotation = rotate_residual(model, config.seed).to_dict()
     scan = list(scan_batches) if config.fallback != 0 else []
     if config.criterion == "layer":
         chooser = None
@@ -117,9 +125,11 @@ def calibrate_linears(
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)
+        result.rotation = rotation
         return result
     reference = reference_logits(model, scan) if scan else []
     result = quantize_linears(model, batches, config, progress=progress)
+    result.rotation = rotation
     if scan:
         apply_fallback(model, result, scan, reference)
     return result

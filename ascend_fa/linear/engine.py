@@ -87,7 +87,10 @@ class LinearConfig:
     on the scan data exceeds ``layer_budget``; ``"kl"`` ranks groups by a KL scan
     of whole-model logits and stops at ``budget`` mean KL (``"auto"``);
     ``scan_samples`` / ``scan_tokens`` size the scan data; ``scan_candidates``
-    groups (those with the largest sample output error; 0 = all) are KL-scanned.
+    groups (those with the largest sample output error; 0 = all) are KL-scanned;
+    ``rotate`` rotates the residual stream before quantizing
+    (:mod:`ascend_fa.transforms.residual`, seeded by ``seed``; opt-in: its measured
+    gain is small, see the module doc of the rotation).
     """
 
     quant_type: str = "W8A8"
@@ -104,6 +107,7 @@ class LinearConfig:
     seed: int = 0
     criterion: str = "layer"
     layer_budget: float = 0.02
+    rotate: bool = False
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -133,8 +137,11 @@ class LinearConfig:
 
     @classmethod
     def round_to_nearest(cls, quant_type: str, dtype: torch.dtype) -> LinearConfig:
-        """The baseline: min/max per-tensor ranges, no smoothing, no fallback."""
-        return cls(quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0)
+        """The baseline: min/max per-tensor ranges, no smoothing, no fallback, no
+        rotation."""
+        return cls(
+            quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0, rotate=False
+        )
 
 
 @dataclass
@@ -181,6 +188,7 @@ class LinearResult:
     scan_kl: float | None = None
     #: layer prefix -> relative output error on the scan data (criterion "layer")
     layer_error: dict[str, float] = field(default_factory=dict)
+    rotation: dict[str, Any] | None = None
 
     def counts(self) -> dict[str, int]:
         """Linears per description type (``W8A8`` / ``W8A8_DYNAMIC`` / ``FLOAT``)."""
@@ -206,6 +214,7 @@ class LinearResult:
             "criterion": self.config.criterion,
             "scan_kl": self.scan_kl,
             "layer_error": dict(self.layer_error),
+            "rotation": self.rotation,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             "groups": [r.to_dict() for r in self.records],
         }

@@ -98,12 +98,35 @@ def _model_dtype(parts: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 @torch.no_grad()
+def _untie_if_needed(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """A tied model whose artifact carries its own ``lm_head.weight`` (a rotated
+    residual stream unties the head, :mod:`ascend_fa.transforms.residual`) gets a
+    separate head parameter before the tensors are copied in."""
+    head = getattr(model, "lm_head", None)
+    emb = (
+        model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    )
+    t = tensors.get("lm_head.weight")
+    if t is None or head is None or emb is None:
+        return
+    if head.weight.data_ptr() != emb.weight.data_ptr():
+        return
+    if torch.equal(t.to(emb.weight.dtype), emb.weight.detach().cpu()):
+        return
+    head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(keys, dict):
+        keys.pop("lm_head.weight", None)
+    model.config.tie_word_embeddings = False
+
+
 def load_quantized_model(
     model: nn.Module, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, QuantizedLinear]:
     """Apply an artifact's ``tensors`` to ``model`` (see the module doc); returns
     the quantized linears put in place. Raises :class:`FileFormatError` naming the
     tensor when one does not fit the model."""
+    _untie_if_needed(model, tensors)
     state = model.state_dict()
     placed: dict[str, QuantizedLinear] = {}
     names = quantized_linear_names(tensors)

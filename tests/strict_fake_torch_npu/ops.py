@@ -54,6 +54,16 @@ ENFORCED_RULES = frozenset(
         "atb.reshape_and_cache.nd",
         "cache.mla_no_mixed_dtypes",
         "quantize.args",
+        "quantize.static.input_dtype",
+        "quantize.mul_mode.scale_dtype",
+        "quantize.mul_mode",
+        "dynamic_quant.input_dtype",
+        "dynamic_quant.args",
+        "qmm.out_dtype",
+        "qmm.k",
+        "qmm.n",
+        "qmm.deq_scale",
+        "qmm.args",
         "fia2.mla.heads",
         "fia2.mla.latent_dim",
         "fia2.mla.rope_dim",
@@ -124,42 +134,229 @@ def _check_slots(slots, n_tokens, num_slots, release, rule="cache.slots"):
 
 # -- npu_quantize -------------------------------------------------------------------
 def npu_quantize(release: str, a: dict) -> torch.Tensor:
-    x, scales = a["self"], a["scales"]
-    r = "quantize.args"
+    x, scales, zero = a["self"], a["scales"], a["zero_points"]
+    dtype, div = a["dtype"], a["div_mode"]
+    if div:
+        r = "quantize.args"
+        _need(
+            x.dtype in (torch.float16, torch.bfloat16, torch.float32),
+            r,
+            release,
+            f"input must be float16/bfloat16/float32, got {x.dtype}",
+        )
+        _need(
+            zero is None or (zero.dtype == torch.int32 and zero.shape == scales.shape),
+            r,
+            release,
+            "divide mode: zero_points None or int32 of the scales' shape",
+        )
+        _need(
+            dtype in (torch.qint8, QINT8_ENUM),
+            r,
+            release,
+            f"dtype must be torch.qint8, got {dtype}",
+        )
+        _need(
+            scales.dim() == 1 and scales.dtype in (torch.float32, torch.bfloat16),
+            r,
+            release,
+            f"scales must be 1-D float32/bfloat16, got {scales.dtype} "
+            f"{tuple(scales.shape)}",
+        )
+        axis = a["axis"] % x.dim()
+        _need(
+            scales.shape[0] == x.shape[axis],
+            r,
+            release,
+            f"scales has {scales.shape[0]} entries for input.shape[{axis}] = "
+            f"{x.shape[axis]}",
+        )
+        shape = [1] * x.dim()
+        shape[axis] = -1
+        q = torch.round(x.float() / scales.float().view(shape))
+        if zero is not None:
+            q = q + zero.float().view(shape)
+        return q.clamp(-128, 127).to(torch.int8)
     _need(
         x.dtype in (torch.float16, torch.bfloat16, torch.float32),
-        r,
+        "quantize.static.input_dtype",
         release,
         f"input must be float16/bfloat16/float32, got {x.dtype}",
     )
-    _need(a["zero_points"] is None, r, release, "symmetric: zero_points is None")
-    dtype = a["dtype"]
+    _need(
+        scales.dtype == x.dtype and (zero is None or zero.dtype == scales.dtype),
+        "quantize.mul_mode.scale_dtype",
+        release,
+        f"div_mode=False: scales ({scales.dtype}) and zero_points "
+        f"({None if zero is None else zero.dtype}) must have the input's dtype "
+        f"{x.dtype}",
+    )
+    r = "quantize.mul_mode"
     _need(
         dtype in (torch.qint8, QINT8_ENUM),
         r,
         release,
         f"dtype must be torch.qint8, got {dtype}",
     )
-    _need(a["div_mode"] is True, r, release, "div_mode must be True (x / scale)")
-    axis = a["axis"] % x.dim()
+    _need(a["axis"] >= -2, r, release, f"axis must be >= -2, got {a['axis']}")
+    axis = x.dim() - 2 if a["axis"] == -2 else x.dim() - 1
     _need(
-        scales.dim() == 1 and scales.dtype in (torch.float32, torch.bfloat16),
+        scales.dim() == 1 and scales.shape[0] in (1, x.shape[axis]),
         r,
         release,
-        f"scales must be 1-D float32/bfloat16, got {scales.dtype} "
+        f"scales must be 1-D with 1 or {x.shape[axis]} entries, got "
         f"{tuple(scales.shape)}",
     )
     _need(
-        scales.shape[0] == x.shape[axis],
+        zero is None or zero.shape == scales.shape,
         r,
         release,
-        f"scales has {scales.shape[0]} entries for input.shape[{axis}] = "
-        f"{x.shape[axis]}",
+        "zero_points must have the scales' shape",
     )
     shape = [1] * x.dim()
     shape[axis] = -1
-    q = torch.round(x.float() / scales.float().view(shape))
-    return q.clamp(-128, 127).to(torch.int8)
+    # the page's formula in float32: input * scales + zero_points, then rounded
+    # to the nearest integer (ties to even) and saturated to int8
+    q = x.float() * scales.float().view(shape)
+    if zero is not None:
+        q = q + zero.float().view(shape)
+    return torch.round(q).clamp(-128, 127).to(torch.int8)
+
+
+# -- W8A8 linears ----------------------------------------------------------------------
+INT8_ENUM = 1  # c10::ScalarType::Char
+OUT_ENUMS = {5: torch.float16, 15: torch.bfloat16, 1: torch.int8, 3: torch.int32}
+
+
+def npu_dynamic_quant(release: str, a: dict):
+    x = a["input"]
+    _need(
+        x.dtype in (torch.float16, torch.bfloat16),
+        "dynamic_quant.input_dtype",
+        release,
+        f"x must be float16/bfloat16, got {x.dtype}",
+    )
+    r = "dynamic_quant.args"
+    _need(x.dim() >= 2, r, release, f"x must be at least 2-D, got {x.dim()}-D")
+    _need(
+        a["smooth_scales"] is None and a["group_index"] is None,
+        r,
+        release,
+        "no smooth_scales / group_index for a plain per-token quantize",
+    )
+    _need(
+        a["dst_type"] in (None, torch.int8, INT8_ENUM),
+        r,
+        release,
+        f"dst_type must be None or int8, got {a['dst_type']}",
+    )
+    _need(
+        a.get("quant_mode", "pertoken") == "pertoken",
+        r,
+        release,
+        f"quant_mode must be 'pertoken', got {a.get('quant_mode')!r}",
+    )
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0
+    y = torch.round(xf / scale.unsqueeze(-1)).clamp(-128, 127)
+    # 0 / 0 on an all-zero row is undefined on the device: write codes that a
+    # mapping relying on them would notice
+    y = torch.where(scale.unsqueeze(-1) > 0, y, torch.full_like(y, 127.0))
+    return y.to(torch.int8), scale
+
+
+def _fp19(scale: torch.Tensor) -> torch.Tensor:
+    """An int64 (npu_trans_quant_param) scale as the device reads it: the fp32
+    pattern of the low 32 bits, keeping its top 19 bits."""
+    low = scale.long() & 0xFFFFE000
+    low = torch.where(low >= 2**31, low - 2**32, low)
+    return low.to(torch.int32).view(torch.float32)
+
+
+def npu_quant_matmul(release: str, a: dict) -> torch.Tensor:
+    x1, x2, scale = a["x1"], a["x2"], a["scale"]
+    pts, bias = a["pertoken_scale"], a["bias"]
+    r = "qmm.args"
+    _need(
+        x1.dtype == torch.int8 and x2.dtype == torch.int8,
+        r,
+        release,
+        f"x1 / x2 must be int8, got {x1.dtype}, {x2.dtype}",
+    )
+    _need(x1.dim() == 2 and x2.dim() == 2, r, release, "x1 [M, K] and x2 [K, N]")
+    m, k = x1.shape
+    _need(
+        x2.shape[0] == k and x2.is_contiguous(),
+        r,
+        release,
+        f"x2 must be a contiguous [K, N] = [{k}, N], got {tuple(x2.shape)}"
+        + ("" if x2.is_contiguous() else " (non-contiguous)"),
+    )
+    n = x2.shape[1]
+    _need(k <= 65535, "qmm.k", release, f"x1's last dim K = {k} > 65535")
+    _need(n <= 65535, "qmm.n", release, f"x2's last dim N = {n} > 65535")
+    out = a["output_dtype"]
+    out = OUT_ENUMS.get(out, out) if isinstance(out, int) else out
+    _need(
+        out in (torch.float16, torch.bfloat16),
+        "qmm.out_dtype",
+        release,
+        f"output_dtype must be float16 or bfloat16, got {out}",
+    )
+    _need(
+        a["offset"] is None and a["group_sizes"] is None,
+        r,
+        release,
+        "no offset / group_sizes",
+    )
+    _need(
+        scale.dim() == 1 and scale.shape[0] in (1, n),
+        r,
+        release,
+        f"scale must be 1-D [1] or [{n}], got {tuple(scale.shape)}",
+    )
+    acc = x1.long() @ x2.long()  # exact: the device's int32 accumulator
+    if pts is None:
+        _need(
+            (scale.dtype, out)
+            in (
+                (torch.int64, torch.float16),
+                (torch.float32, torch.float16),
+                (torch.float32, torch.bfloat16),
+            ),
+            "qmm.deq_scale",
+            release,
+            f"scale {scale.dtype} with output {out} is not in the page's table",
+        )
+        _need(
+            bias is None or (bias.dtype == torch.int32 and tuple(bias.shape) == (n,)),
+            r,
+            release,
+            "static: bias must be int32 [N] or None",
+        )
+        if bias is not None:
+            acc = acc + bias.long()
+        s = _fp19(scale) if scale.dtype == torch.int64 else scale.float()
+        # (x1 @ x2 + bias) * scale: the int32 sum in float32, times the scale
+        return (acc.float() * s).to(out)
+    _need(
+        pts.dtype == torch.float32 and tuple(pts.shape) == (m,),
+        r,
+        release,
+        f"pertoken_scale must be float32 [{m}], got {pts.dtype} {tuple(pts.shape)}",
+    )
+    _need(scale.dtype == torch.float32, r, release, "dynamic: float32 scale")
+    _need(
+        bias is None or (bias.dtype == torch.float32 and tuple(bias.shape) == (n,)),
+        r,
+        release,
+        "dynamic: bias must be float32 [N] or None",
+    )
+    y = acc.float() * scale.float()
+    y = y * pts.unsqueeze(-1)
+    if bias is not None:
+        y = y + bias
+    return y.to(out)
 
 
 # -- cache writes ----------------------------------------------------------------------
@@ -714,4 +911,6 @@ OPS = {
     "npu_fused_infer_attention_score": npu_fused_infer_attention_score,
     "_npu_paged_attention_quant": _npu_paged_attention_quant,
     "npu_fused_infer_attention_score_v2": npu_fused_infer_attention_score_v2,
+    "npu_dynamic_quant": npu_dynamic_quant,
+    "npu_quant_matmul": npu_quant_matmul,
 }

@@ -75,6 +75,12 @@ class CalibrationResult:
                 f"{s['mean_attention_output_cosine']:.5f}, min "
                 f"{s['min_attention_output_cosine']:.5f}"
             )
+        folded = self.report.get("transforms")
+        if folded:
+            lines.append(
+                f"folded {', '.join(folded['folded'])} into the weights "
+                f"({folded['seconds']:.1f} s)"
+            )
         lin = self.report.get("linears")
         if lin:
             counts = ", ".join(f"{n} {k}" for k, n in sorted(lin["counts"].items()))
@@ -206,6 +212,7 @@ def calibrate(
     kv_strategy: str = "tensor",
     linear: str | None = None,
     linear_fallback: int | str = "auto",
+    transforms: str | list[str] | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
@@ -218,6 +225,8 @@ def calibrate(
     FA / KV scales are calibrated with the quantized linears active;
     ``linear_fallback`` keeps that many linears float (``"auto"``: by an error
     budget). With ``merge_into`` the export's own linears are kept.
+    ``transforms``: exact attention transforms folded into the weights first
+    (:mod:`ascend_fa.transforms.attention`; ``"v-rotation,qk-smoothing"``).
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -258,6 +267,14 @@ def calibrate(
     if linear_type is None:
         raise InputError(f"--linear {linear!r}; choose w8a8, w8a8_dynamic or none")
     linear_fallback = _fallback(linear_fallback)
+    from ascend_fa.transforms.attention import parse_transforms
+
+    transform_names = parse_transforms(transforms)
+    if transform_names and merge_into is not None:
+        raise InputError(
+            "--transforms changes the model's weights; --merge-into keeps the "
+            "export's weights: use one or the other"
+        )
     artifact.check_target(
         target,
         mla=mla,
@@ -293,6 +310,27 @@ def calibrate(
     )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, net.config.to_dict())
+    transform_result = None
+    if transform_names:
+        from ascend_fa.transforms.attention import apply_attention_transforms
+
+        from .pipeline import calibration_batches
+
+        # Folded before the linears and the FA scales, so both see the folded
+        # weights; the statistics forward runs on the original float model.
+        transform_result = apply_attention_transforms(
+            net,
+            calibration_batches(
+                loaded.tokenizer,
+                calib,
+                max_length=max_length,
+                batch_size=batch_size,
+                device=device,
+            ),
+            transform_names,
+            seed=seed,
+        )
+        seconds["transforms"] = transform_result.seconds
     linear_result = None
     if linear_type != "FLOAT":
         from ascend_fa.linear import LinearConfig
@@ -393,6 +431,11 @@ def calibrate(
                 else None
             ),
             **(
+                {"transforms": transform_result.to_report()}
+                if transform_result is not None
+                else {}
+            ),
+            **(
                 {"linears": linear_result.to_report()}
                 if linear_result is not None
                 else {}
@@ -450,6 +493,11 @@ def calibrate(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             force=force,
+            metadata=(
+                transform_result.description_metadata()
+                if transform_result is not None
+                else None
+            ),
         )
     return CalibrationResult(
         output=Path(dest),

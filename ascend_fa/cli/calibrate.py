@@ -143,6 +143,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "KL scan on calibration data); auto (default): stop at a KL budget, at "
         "most 10%% of the linears",
     )
+    parser.add_argument(
+        "--transforms",
+        default=None,
+        metavar="LIST",
+        help="exact attention transforms folded into the weights before "
+        "calibration, comma separated: v-rotation (per-KV-head randomised "
+        "Hadamard into v_proj/o_proj), qk-smoothing (per-RoPE-pair factor into "
+        "q_proj/k_proj or q_norm/k_norm, exponent searched per layer); default "
+        "none (GQA models only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -173,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not getattr(args, "quiet", False),
         linear=args.linear,
         linear_fallback=args.linear_fallback,
+        transforms=args.transforms,
     )
     for line in result.summary_lines():
         print(line)

@@ -114,3 +114,34 @@ def test_refusals(qwen2, tmp_path, capsys):
     assert rc == 2
     assert "deepseek_v3" in _error(capsys)
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_attention_accuracy_reads_artifacts_back(qwen2, tmp_path, capsys):
+    out = tmp_path / "acc.json"
+    args = ["bench", "attention-accuracy", "--model", str(qwen2), "--quick"]
+    args += ["--num-samples", "2", "--max-length", "32"]
+    assert main([*args, "--max-eval-tokens", "64", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "artifact dtype bf16, read back" in text
+    assert "calibration with transforms" in text
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "ascend-fa-bench/1"
+    modes = {(r["mode"], r["params"]["domain"]) for r in doc["records"]}
+    for mode in (
+        "default",
+        "msModelSlim-style recall_window/union",
+        "v-rotation + qk-smoothing",
+        "dynamic per-token-head (bound)",
+        "dynamic + transforms (bound)",
+    ):
+        assert {(mode, "prose"), (mode, "code")} <= modes
+    both = [r for r in doc["records"] if r["mode"] == "v-rotation + qk-smoothing"]
+    assert set(both[0]["extra"]["verdicts"]) == {
+        "cosine",
+        "rel_l1",
+        "kl",
+        "ppl_delta_pct",
+    }
+    # The float control of each row is the source model: dynamic is the best.
+    by = {(r["mode"], r["params"]["domain"]): r["extra"] for r in doc["records"]}
+    assert by[("dynamic per-token-head (bound)", "prose")]["kl"] >= 0.0

@@ -75,6 +75,14 @@ class CalibrationResult:
                 f"{s['mean_attention_output_cosine']:.5f}, min "
                 f"{s['min_attention_output_cosine']:.5f}"
             )
+        eb = self.report.get("error_budget")
+        if eb:
+            lines.append(
+                f"error budget KL {eb['budget']:g}: {len(eb['kept_float'])} of "
+                f"{len(eb['ranking'])} attention layers kept float, KL "
+                f"{eb['kl_steps'][0]:.5f} -> {eb['kl_steps'][-1]:.5f} on "
+                f"{eb['tokens']} calibration tokens"
+            )
         folded = self.report.get("transforms")
         if folded:
             lines.append(
@@ -213,6 +221,7 @@ def calibrate(
     linear: str | None = None,
     linear_fallback: int | str = "auto",
     transforms: str | list[str] | None = None,
+    error_budget: float | str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
@@ -227,6 +236,8 @@ def calibrate(
     budget). With ``merge_into`` the export's own linears are kept.
     ``transforms``: exact attention transforms folded into the weights first
     (:mod:`ascend_fa.transforms.attention`; ``"v-rotation,qk-smoothing"``).
+    ``error_budget``: a mean token KL; the fewest FA layers needed to meet it are
+    kept float (:mod:`.budget`; FA targets only).
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -235,7 +246,7 @@ def calibrate(
 
     from .data import load_calib_texts, split_calibration
     from .kv import KVCalibration, KVQuantSpec, recipe_settings
-    from .pipeline import calibrate_model
+    from .pipeline import calibrate_model, calibration_batches
     from .recipe import load_recipe
     from .report import build_report, heldout_report
 
@@ -270,6 +281,9 @@ def calibrate(
     from ascend_fa.transforms.attention import parse_transforms
 
     transform_names = parse_transforms(transforms)
+    from .budget import check_error_budget
+
+    budget = check_error_budget(error_budget)
     if transform_names and merge_into is not None:
         raise InputError(
             "--transforms changes the model's weights; --merge-into keeps the "
@@ -289,6 +303,11 @@ def calibrate(
         )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, src_config)
+    if budget is not None and target != "mindie" and mla is False:
+        raise InputError(
+            f"--error-budget keeps FAQuant layers float; --target {target} writes "
+            "KV-cache scales for GQA models: use --target mindie"
+        )
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
     calib, held = split_calibration(texts, num_samples, heldout, seed)
@@ -312,9 +331,10 @@ def calibrate(
         artifact.check_merge_export(merge_into, net.config.to_dict())
     transform_result = None
     if transform_names:
-        from ascend_fa.transforms.attention import apply_attention_transforms
-
-        from .pipeline import calibration_batches
+        from ascend_fa.transforms.attention import (
+            STATS_SAMPLES,
+            apply_attention_transforms,
+        )
 
         # Folded before the linears and the FA scales, so both see the folded
         # weights; the statistics forward runs on the original float model.
@@ -322,7 +342,7 @@ def calibrate(
             net,
             calibration_batches(
                 loaded.tokenizer,
-                calib,
+                calib[:STATS_SAMPLES],
                 max_length=max_length,
                 batch_size=batch_size,
                 device=device,
@@ -376,6 +396,34 @@ def calibrate(
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
     kv_scales = kv.scales(kv_strategy) if kv is not None else None
+    budget_result = None
+    if budget is not None:
+        if kv is not None:
+            raise InputError(
+                f"--error-budget keeps FAQuant layers float; --target {target} "
+                "writes KV-cache scales for this model: use --target mindie"
+            )
+        from .budget import BUDGET_SAMPLES, fit_error_budget
+
+        budget_result = fit_error_budget(
+            net,
+            list(
+                calibration_batches(
+                    loaded.tokenizer,
+                    calib[:BUDGET_SAMPLES],
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    device=device,
+                )
+            ),
+            budget,
+        )
+        scales = {k: v for k, v in scales.items() if k not in budget_result.kept_float}
+        if not scales:
+            raise InputError(
+                f"--error-budget {budget} keeps every attention layer float "
+                "(nothing left to quantize); raise the budget"
+            )
     t0 = time.perf_counter()
     held_stats, per_layer = ({}, {})
     if held:
@@ -391,6 +439,10 @@ def calibrate(
             if kv is not None and kv_mode is not None and kv_scales is not None
             else contextlib.nullcontext()
         )
+        if budget_result is not None:
+            from .budget import float_layers
+
+            deployed = float_layers(net, budget_result.kept_float)
         with deployed:
             held_stats, per_layer = heldout_report(
                 net,
@@ -429,6 +481,11 @@ def calibrate(
                 }
                 if kv_scales
                 else None
+            ),
+            **(
+                {"error_budget": budget_result.to_report()}
+                if budget_result is not None
+                else {}
             ),
             **(
                 {"transforms": transform_result.to_report()}

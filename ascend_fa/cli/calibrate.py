@@ -153,6 +153,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "q_proj/k_proj or q_norm/k_norm, exponent searched per layer); default "
         "none (GQA models only)",
     )
+    parser.add_argument(
+        "--error-budget",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="keep the fewest attention layers float (worst attention-output "
+        "cosine first) until the mean token KL on calibration samples is <= KL; "
+        "the ranking goes to calibration_report.json (default: all layers static)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         linear=args.linear,
         linear_fallback=args.linear_fallback,
         transforms=args.transforms,
+        error_budget=args.error_budget,
     )
     for line in result.summary_lines():
         print(line)

@@ -30,8 +30,9 @@ usual static ``[H, 1]`` scales and the float model computes the same function:
     calibration sample with Q and K fake-quantized per head.
 
 Layer-local: every decision of a layer depends on that layer's own Q / K
-statistics in the original float model (one statistics forward before anything is
-folded) and on ``(seed, layer index, KV head)``; a calibration that runs one
+statistics in the original float model (one statistics forward over the first
+:data:`STATS_SAMPLES` calibration samples, before anything is folded) and on
+``(seed, layer index, KV head)``; a calibration that runs one
 decoder layer at a time on the float hidden states reaches the same weights bit
 for bit. The transforms run before the linears are quantized and before the FA
 scales are observed, so both see the folded weights.
@@ -59,6 +60,7 @@ from .hadamard import random_hadamard
 __all__ = [
     "ATTENTION_TRANSFORMS",
     "SMOOTHING_EXPONENTS",
+    "STATS_SAMPLES",
     "LayerTransform",
     "TransformResult",
     "apply_attention_transforms",
@@ -75,6 +77,10 @@ ATTENTION_TRANSFORMS = ("v-rotation", "qk-smoothing")
 SMOOTHING_EXPONENTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625)
 #: Tokens of the first calibration sample kept per layer for the exponent search.
 SEARCH_TOKENS = 256
+#: Calibration samples the Q / K statistics forward reads (the first ones): outlier
+#: channels are a property of the weights, a few samples find them, and the extra
+#: forward stays a fraction of the calibration.
+STATS_SAMPLES = 8
 _INT8_MAX = 127.0
 
 
@@ -194,22 +200,18 @@ def fold_v_rotation(module: nn.Module, index: int, seed: int) -> list[int]:
     returns the per-head seeds. Computed in float64, stored in the weights' dtype."""
     heads, kv_heads, dim = _geometry(module)
     v, o = _linear(module, "v_proj"), _linear(module, "o_proj")
-    group = heads // kv_heads
-    wv = v.weight.double().reshape(kv_heads, dim, -1)
+    seeds = [_layer_seed(seed, index, h) for h in range(kv_heads)]
+    r = torch.stack([v_rotation_matrix(seed, index, h, dim) for h in range(kv_heads)])
+    # [Hkv, D, in]: v_proj rows of head h become R_hᵀ W_h.
+    wv = r.transpose(1, 2) @ v.weight.double().reshape(kv_heads, dim, -1)
+    # [out, H, D]: o_proj columns of query head i become W_i R_{i // group}.
+    rq = r.repeat_interleave(heads // kv_heads, dim=0)
     wo = o.weight.double().reshape(o.weight.shape[0], heads, dim)
-    bv = v.bias.double().reshape(kv_heads, dim) if v.bias is not None else None
-    seeds = []
-    for h in range(kv_heads):
-        r = v_rotation_matrix(seed, index, h, dim)
-        seeds.append(_layer_seed(seed, index, h))
-        wv[h] = r.t() @ wv[h]
-        if bv is not None:
-            bv[h] = r.t() @ bv[h]
-        for i in range(h * group, (h + 1) * group):
-            wo[:, i] = wo[:, i] @ r
+    wo = torch.einsum("ohd,hde->ohe", wo, rq)
     v.weight.copy_(wv.reshape(v.weight.shape).to(v.weight.dtype))
     o.weight.copy_(wo.reshape(o.weight.shape).to(o.weight.dtype))
-    if bv is not None:
+    if v.bias is not None:
+        bv = torch.einsum("hde,hd->he", r, v.bias.double().reshape(kv_heads, dim))
         v.bias.copy_(bv.reshape(-1).to(v.bias.dtype))
     return seeds
 
@@ -260,13 +262,14 @@ def fold_qk_smoothing(module: nn.Module, factors: torch.Tensor) -> None:
 def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` -> ``[..., D/2]``: ``sqrt(x_d² + x_{d+D/2}²)`` (RoPE invariant)."""
     half = x.shape[-1] // 2
-    return torch.sqrt(x[..., :half].double() ** 2 + x[..., half:].double() ** 2)
+    xf = x.float()
+    return torch.sqrt(xf[..., :half] ** 2 + xf[..., half:] ** 2)
 
 
 class _QKStats(nn.Module):
     """An FA point that returns its input and keeps, per head, the largest pair
     norm over real tokens and the first :data:`SEARCH_TOKENS` real tokens of the
-    first row it sees (``[H, n, D]`` float64)."""
+    first row it sees (``[H, n, D]`` float32)."""
 
     def __init__(self, num_heads: int, head_dim: int | None):
         super().__init__()
@@ -284,7 +287,7 @@ class _QKStats(nn.Module):
         m = norms.amax(dim=(0, 2)).cpu()
         self.pair_max = m if self.pair_max is None else torch.maximum(self.pair_max, m)
         if self.sample is None:
-            row = x[0].detach().double().cpu()  # [H, S, D]
+            row = x[0].detach().float().cpu()  # [H, S, D]
             if token_mask is not None:
                 row = row[:, token_mask[0].cpu().bool()]
             if row.shape[1]:
@@ -330,8 +333,10 @@ def smoothing_factors(
     """
     heads, kv_heads = q_max.shape[0], k_max.shape[0]
     group = heads // kv_heads
-    qg = q_max.double().reshape(kv_heads, group, -1).amax(dim=1)  # [Hkv, D/2]
-    kg = k_max.double()
+    q_max, k_max = q_max.float(), k_max.float()
+    q_sample, k_sample = q_sample.float(), k_sample.float()
+    qg = q_max.reshape(kv_heads, group, -1).amax(dim=1)  # [Hkv, D/2]
+    kg = k_max
     if shared:
         qg, kg = qg.amax(dim=0, keepdim=True), kg.amax(dim=0, keepdim=True)
     tiny = torch.finfo(torch.float32).tiny
@@ -344,10 +349,8 @@ def smoothing_factors(
     for beta in exponents:
         s = ratio**beta
         sq, sk = _per_channel(s, heads), _per_channel(s, kv_heads)
-        q_abs = (q_max.double() / s.repeat_interleave(heads // s.shape[0], 0)).amax(1)
-        k_abs = (k_max.double() * s.repeat_interleave(kv_heads // s.shape[0], 0)).amax(
-            1
-        )
+        q_abs = (q_max / s.repeat_interleave(heads // s.shape[0], 0)).amax(1)
+        k_abs = (k_max * s.repeat_interleave(kv_heads // s.shape[0], 0)).amax(1)
         qq = _fake_quant(q_sample / sq[:, None, :], q_abs)
         kq = _fake_quant(k_sample * sk[:, None, :], k_abs)
         p = _attention_probs(qq, kq, group)
@@ -356,7 +359,7 @@ def smoothing_factors(
         if best is None or err < best[1]:
             best = (float(beta), err, s)
     assert best is not None
-    return best[0], best[2].to(torch.float32), errors
+    return best[0], best[2], errors
 
 
 def _check_supported(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:

@@ -296,17 +296,18 @@ class _QKStats(nn.Module):
 
 
 def _fake_quant(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    """Symmetric INT8 per head: ``absmax`` ``[H]`` -> ``[H, n, D]`` dequantized."""
-    scale = (absmax / _INT8_MAX).clamp(min=1e-12)[:, None, None]
+    """Symmetric INT8 per head: ``absmax`` ``[..., H]`` -> ``x`` ``[..., H, n, D]``
+    dequantized."""
+    scale = (absmax / _INT8_MAX).clamp(min=1e-12)[..., None, None]
     return torch.clamp(torch.round(x / scale), -_INT8_MAX, _INT8_MAX) * scale
 
 
 def _attention_probs(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
-    """Causal softmax probabilities ``[H, n, n]`` of ``q`` ``[H, n, D]`` against
-    ``k`` ``[Hkv, n, D]``."""
-    kk = k.repeat_interleave(group, dim=0)
+    """Causal softmax probabilities ``[..., H, n, n]`` of ``q`` ``[..., H, n, D]``
+    against ``k`` ``[..., Hkv, n, D]``."""
+    kk = k.repeat_interleave(group, dim=-3)
     logits = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    n = q.shape[1]
+    n = q.shape[-2]
     mask = torch.ones(n, n, dtype=torch.bool).triu(1)
     return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
 
@@ -344,22 +345,23 @@ def smoothing_factors(
         (qg > tiny) & (kg > tiny), qg / kg.clamp(min=tiny), torch.ones_like(qg)
     )
     ref = _attention_probs(q_sample, k_sample, group)
-    errors: dict[float, float] = {}
-    best: tuple[float, float, torch.Tensor] | None = None
-    for beta in exponents:
-        s = ratio**beta
-        sq, sk = _per_channel(s, heads), _per_channel(s, kv_heads)
-        q_abs = (q_max / s.repeat_interleave(heads // s.shape[0], 0)).amax(1)
-        k_abs = (k_max * s.repeat_interleave(kv_heads // s.shape[0], 0)).amax(1)
-        qq = _fake_quant(q_sample / sq[:, None, :], q_abs)
-        kq = _fake_quant(k_sample * sk[:, None, :], k_abs)
-        p = _attention_probs(qq, kq, group)
-        err = float(0.5 * (p - ref).abs().sum(-1).mean())
-        errors[float(beta)] = err
-        if best is None or err < best[1]:
-            best = (float(beta), err, s)
-    assert best is not None
-    return best[0], best[2], errors
+    # Every exponent at once ([E, ...] batches): few large ops instead of many
+    # small ones.
+    betas = torch.tensor([float(b) for b in exponents], dtype=torch.float32)
+    s_all = ratio[None] ** betas[:, None, None]  # [E, G, D/2]
+    rep_q, rep_k = heads // s_all.shape[1], kv_heads // s_all.shape[1]
+    sq = torch.cat([s_all, s_all], -1).repeat_interleave(rep_q, 1)  # [E, H, D]
+    sk = torch.cat([s_all, s_all], -1).repeat_interleave(rep_k, 1)  # [E, Hkv, D]
+    q_abs = (q_max[None] / s_all.repeat_interleave(rep_q, 1)).amax(-1)  # [E, H]
+    k_abs = (k_max[None] * s_all.repeat_interleave(rep_k, 1)).amax(-1)
+    qq = _fake_quant(q_sample[None] / sq[:, :, None, :], q_abs)
+    kq = _fake_quant(k_sample[None] * sk[:, :, None, :], k_abs)
+    p = _attention_probs(qq, kq, group)  # [E, H, n, n]
+    err = (0.5 * (p - ref[None]).abs().sum(-1)).mean(dim=(1, 2))  # [E]
+    errors = {float(b): float(e) for b, e in zip(betas, err, strict=True)}
+    # The smallest error; ties keep the smaller exponent (first in order).
+    best = int(torch.argmin(err))
+    return float(betas[best]), s_all[best], errors
 
 
 def _check_supported(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:

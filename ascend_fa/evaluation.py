@@ -52,11 +52,11 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.hf import swapped_points
+from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.artifact.format import FA_BRANCHES, ScaleMap
 from ascend_fa.atb_ops import dynamic_fake_quant
 from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
 from ascend_fa.calibration.pipeline import injected_points, progress_bar
-from ascend_fa.calibration.placeholder import FA3QuantPlaceHolder
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
 

@@ -1,11 +1,32 @@
-"""Plain-text tables: how every command prints rows of results (GitHub markdown)."""
+"""How every command prints results: plain-text tables (GitHub markdown) and
+strict JSON."""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["print_table", "format_table"]
+__all__ = ["print_table", "format_table", "strict_json", "finite_or_none"]
+
+
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf) replaced by ``None``, through
+    dicts, lists and tuples: JSON has no NaN, and a reader that chokes on one is
+    right to."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def strict_json(obj: Any, indent: int = 2) -> str:
+    """Strict JSON text of ``obj`` (non-finite floats as null), ending in a newline."""
+    return json.dumps(finite_or_none(obj), indent=indent, allow_nan=False) + "\n"
 
 
 def format_table(

@@ -65,9 +65,16 @@ def calibrate(model_dir, out, *extra, target="vllm-ascend"):
 
 def test_llama_end_to_end(models, tmp_path, capsys):
     out = tmp_path / "art"
-    assert calibrate(models["llama"], out) == 0
+    summary = tmp_path / "calibrate.json"
+    assert calibrate(models["llama"], out, "--json", str(summary)) == 0
     printed = capsys.readouterr().out
     assert "calibrated 2 attention modules (C8) on 6 samples" in printed
+    # --json: the printed numbers, strict JSON
+    doc = json.loads(summary.read_text(), parse_constant=pytest.fail)
+    assert doc["output"] == str(out) and doc["layers"] == 2
+    assert doc["num_samples"] == 6 and doc["target"] == "vllm-ascend"
+    assert doc["heldout"]["num_samples"] == 2 and doc["seconds"]["calibrate"] > 0
+    assert 0.5 < doc["summary"]["mean_attention_output_cosine"] <= 1.0 + 1e-9
     result = inspect_artifact(out)
     assert result["valid"], result["findings"]
     assert result["target"] == "vllm-ascend"  # recorded in the description
@@ -271,6 +278,9 @@ def test_bad_inputs(models, tmp_path, capsys):
     assert "--output is required" in err
     err = _error(capsys, calibrate(llama, tmp_path / "e", "--max-shard-size", "big"))
     assert "cannot parse size 'big'" in err
+    inside = tmp_path / "f" / "result.json"
+    err = _error(capsys, calibrate(llama, tmp_path / "f", "--json", str(inside)))
+    assert "--json" in err and "is inside --output" in err
     # nothing was left behind by the failed runs
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "bad.jsonl",

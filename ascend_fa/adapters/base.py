@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ascend_fa.calibration.placeholder import (
+from ascend_fa.adapters.placeholder import (
     FA3QuantAdapterInterface,
     FA3QuantPlaceHolder,
 )

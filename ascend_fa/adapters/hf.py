@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from ascend_fa.calibration.placeholder import FA_BRANCHES
+from ascend_fa.adapters.placeholder import FA_BRANCHES
 
 __all__ = [
     "register_attention_function",

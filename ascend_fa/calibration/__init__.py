@@ -13,9 +13,14 @@
 
 from __future__ import annotations
 
+from ascend_fa.adapters.placeholder import (
+    FA_BRANCHES,
+    FA3QuantAdapterInterface,
+    FA3QuantPlaceHolder,
+)
+
 from .distributed import all_reduce_observer, is_distributed
 from .observers import ACCUMULATE_MODES, METHODS, PerHeadObserver
-from .placeholder import FA_BRANCHES, FA3QuantAdapterInterface, FA3QuantPlaceHolder
 from .processor import (
     FA3FakeQuant,
     FA3Observer,

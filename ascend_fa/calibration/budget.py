@@ -31,11 +31,11 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.hf import find_fa_modules, swapped_points
+from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.errors import InputError
 from ascend_fa.metrics import OutputError, token_kl
 
 from .pipeline import float_mode
-from .placeholder import FA3QuantPlaceHolder
 
 __all__ = [
     "BUDGET_SAMPLES",

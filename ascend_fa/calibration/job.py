@@ -52,6 +52,27 @@ class CalibrationResult:
     def heldout(self) -> dict[str, Any]:
         return self.report.get("heldout", {})
 
+    def to_dict(self) -> dict[str, Any]:
+        """What ``ascend-fa calibrate --json`` writes: the artifact, timings, the
+        report's summary, held-out and linear sections (the per-head detail stays
+        in ``calibration_report.json``)."""
+        rep = self.report
+        return {
+            "output": str(self.output),
+            "fa_quant_type": self.fa_quant_type,
+            "layers": self.layers,
+            "num_samples": self.num_samples,
+            "seconds": dict(self.seconds),
+            "target": rep.get("target"),
+            "summary": rep.get("summary", {}),
+            "heldout": self.heldout,
+            "linears": rep.get("linears"),
+            "transforms": (rep.get("transforms") or {}).get("folded"),
+            "error_budget_kept_float": (rep.get("error_budget") or {}).get(
+                "kept_float"
+            ),
+        }
+
     def summary_lines(self) -> list[str]:
         """The lines ``ascend-fa calibrate`` prints."""
         t = self.seconds

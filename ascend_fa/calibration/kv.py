@@ -37,12 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.atb_ops import per_head_qparams
 from ascend_fa.atb_ops.constants import FP8_E4M3_MAX
 from ascend_fa.atb_ops.quant import int8_codes
 
 from .observers import PerHeadObserver
-from .placeholder import FA3QuantPlaceHolder
 
 __all__ = [
     "KV_MODES",

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.hf import find_fa_modules, swapped_points
+from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
-from .placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 from .processor import FA3Observer, FA3Processor
 
 __all__ = [

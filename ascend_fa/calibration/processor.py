@@ -26,12 +26,16 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.hf import delete_points, fa_points, find_fa_modules, set_point
+from ascend_fa.adapters.placeholder import (
+    FA_BRANCHES,
+    FA3QuantAdapterInterface,
+    FA3QuantPlaceHolder,
+)
 from ascend_fa.artifact.format import ScaleMap, fa_tensor_name, per_head_vector
 from ascend_fa.atb_ops import dequantize_per_head, quantize_per_head
 
 from .distributed import all_reduce_observer, is_distributed
 from .observers import PerHeadObserver
-from .placeholder import FA_BRANCHES, FA3QuantAdapterInterface, FA3QuantPlaceHolder
 from .recipe import FA3QuantConfig, check_patterns
 
 __all__ = [

@@ -51,10 +51,9 @@ from pydantic import (
     model_validator,
 )
 
+from ascend_fa.adapters.placeholder import FA_BRANCHES
 from ascend_fa.errors import AscendFAError, FileFormatError
 from ascend_fa.safe_files import read_text
-
-from .placeholder import FA_BRANCHES
 
 __all__ = [
     "RecipeError",

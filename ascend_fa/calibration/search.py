@@ -61,11 +61,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ascend_fa.adapters.hf import find_fa_modules
+from ascend_fa.adapters.placeholder import FA_BRANCHES
 from ascend_fa.atb_ops import fake_quant_per_head
 from ascend_fa.atb_ops.constants import INT8_MAX, SCALE_EPS
 
 from .pipeline import CalibratedModel, calibrate_model, progress_bar
-from .placeholder import FA_BRANCHES
 from .processor import FA3FakeQuant, FA3Observer
 
 __all__ = [

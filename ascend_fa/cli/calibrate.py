@@ -162,10 +162,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cosine first) until the mean token KL on calibration samples is <= KL; "
         "the ranking goes to calibration_report.json (default: all layers static)",
     )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the result (artifact, timings, summary, held-out "
+        "perplexity) as JSON",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.job import calibrate
+    from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
+    from ascend_fa.tables import strict_json
+
+    if args.json:  # refused now, not after the run
+        check_output_file(args.json, what="--json")
+        inputs = {
+            "--model": args.model,
+            "--output": args.output,
+            "--merge-into": args.merge_into,
+        }
+        check_disjoint(args.json, inputs, flag="--json")
 
     result = calibrate(
         args.model,
@@ -197,4 +215,6 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in result.summary_lines():
         print(line)
+    if args.json:
+        write_file(args.json, strict_json(result.to_dict()))
     return 0

@@ -106,7 +106,8 @@ def test_v_rotation_fold_matches_naive_per_head_reference() -> None:
                 attn.v_proj.weight[h * d + c].double(), want, atol=1e-5
             )
             want_b = sum(r[j, c] * bv[h * d + j] for j in range(d))
-            assert abs(float(attn.v_proj.bias[h * d + c]) - float(want_b)) < 1e-5
+            got_b = float(attn.v_proj.bias[h * d + c].detach())
+            assert abs(got_b - float(want_b)) < 1e-5
         for i in range(h * group, (h + 1) * group):
             cols = slice(i * d, (i + 1) * d)
             assert torch.allclose(

@@ -372,6 +372,7 @@ def export_artifact(
     kv_scales: KVScaleMap | None = None,
     kv_strategy: str = "tensor",
     dtype: torch.dtype | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a complete artifact for ``target`` to ``output`` atomically; return it.
 
@@ -387,7 +388,8 @@ def export_artifact(
 
     ``config`` is the model's ``config.json`` as a dict (rewritten by
     :func:`~.targets.target_config`; ``dtype`` is its ``torch_dtype``, default:
-    the dtype of the floating weights). Tokenizer files are copied from
+    the dtype of the floating weights). ``metadata`` goes into the description's
+    ``metadata`` (e.g. the folded transforms). Tokenizer files are copied from
     ``source_dir`` when it has them, otherwise saved from ``tokenizer``.
     """
     types = dict(tensor_types) if tensor_types is not None else {}
@@ -446,6 +448,7 @@ def export_artifact(
                     fa_scales=fa_scales,
                     fa_quant_type=fa_quant_type,
                     c8=c8,
+                    metadata=metadata,
                 ),
             )
         if config is not None:

@@ -29,6 +29,19 @@ import torch
 
 from ascend_fa.errors import InputError
 
+from .arguments import (
+    LINEAR_TYPES,
+    check_locations,
+    check_positive,
+    check_streaming,
+    default_linear,
+    parse_fallback,
+    picture_files,
+    source_config,
+    streaming_plan,
+    with_carried,
+)
+
 __all__ = [
     "CalibrationResult",
     "calibrate",
@@ -72,6 +85,10 @@ class CalibrationResult:
             "summary": rep.get("summary", {}),
             "heldout": self.heldout,
             "linears": rep.get("linears"),
+            "transforms": (rep.get("transforms") or {}).get("folded"),
+            "error_budget_kept_float": (rep.get("error_budget") or {}).get(
+                "kept_float"
+            ),
         }
 
     def summary_lines(self) -> list[str]:
@@ -97,6 +114,20 @@ class CalibrationResult:
                 f"{s['mean_attention_output_cosine']:.5f}, min "
                 f"{s['min_attention_output_cosine']:.5f}"
             )
+        eb = self.report.get("error_budget")
+        if eb:
+            lines.append(
+                f"error budget KL {eb['budget']:g}: {len(eb['kept_float'])} of "
+                f"{len(eb['ranking'])} attention layers kept float, KL "
+                f"{eb['kl_steps'][0]:.5f} -> {eb['kl_steps'][-1]:.5f} on "
+                f"{eb['tokens']} calibration tokens"
+            )
+        folded = self.report.get("transforms")
+        if folded:
+            lines.append(
+                f"folded {', '.join(folded['folded'])} into the weights "
+                f"({folded['seconds']:.1f} s)"
+            )
         lin = self.report.get("linears")
         if lin:
             counts = ", ".join(f"{n} {k}" for k, n in sorted(lin["counts"].items()))
@@ -108,179 +139,6 @@ class CalibrationResult:
             )
         lines.append(f"wrote {self.output}")
         return lines
-
-
-#: ``--linear`` value -> the description's ``model_quant_type``.
-_LINEAR_TYPES = {"none": "FLOAT", "w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}
-
-
-def _default_linear(target: str, mla: bool | None) -> str:
-    """The linears a target deploys by default: MindIE loads attention quantization
-    only beside quantized linears (W8A8); vllm-ascend's FAKQuant path reads the
-    quantized MLA linears (W8A8_DYNAMIC), its GQA C8 path keeps them float; vLLM's
-    KV-cache scheme needs none."""
-    if target == "mindie":
-        return "w8a8"
-    if target == "vllm-ascend" and mla:
-        return "w8a8_dynamic"
-    return "none"
-
-
-def _fallback(value: int | str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if isinstance(value, bool) or n < 0:
-        raise InputError(
-            f"--linear-fallback must be a number >= 0 or 'auto', got {value!r}"
-        )
-    return n
-
-
-def _source_config(model: str | Path | None) -> dict[str, Any] | None:
-    """A HF checkpoint directory's ``config.json`` as a dict (None for GGUF, the
-    default model, or an unreadable file: the loader reports those)."""
-    import json
-
-    if model is None:
-        return None
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _picture(report: dict[str, Any]) -> dict[str, bytes]:
-    """``{calibration_report.png: bytes}``, or nothing (with a warning) when
-    matplotlib cannot draw here."""
-    import logging
-
-    from .plots import REPORT_PNG, render_report_png
-
-    try:
-        return {REPORT_PNG: render_report_png(report)}
-    except ImportError as exc:
-        logging.getLogger(__name__).warning(
-            "no picture report: %s (pip install matplotlib)", exc
-        )
-        return {}
-
-
-def _check_positive(**values: int) -> None:
-    for flag, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise InputError(f"--{flag.replace('_', '-')} must be > 0, got {value!r}")
-
-
-def _check_locations(
-    model: str | Path | None,
-    output: str | Path | None,
-    merge_into: str | Path | None,
-    *,
-    overwrite: bool,
-    force: bool,
-) -> None:
-    """Every refusal about where we write, before the model loads: the output is
-    not the model or the merge target, nor inside or around them; it is not a
-    symlink, and replaces only what ``overwrite``/``force`` allow (the merge
-    target's contents are checked by the caller (``artifact.check_merge_export``)."""
-    from ascend_fa.artifact.output import check_output_dir
-    from ascend_fa.safe_paths import check_disjoint
-
-    if output is not None:
-        check_disjoint(output, {"--model": model, "--merge-into": merge_into})
-        check_output_dir(output, overwrite=overwrite, force=force)
-    if merge_into is not None:
-        if output is None:
-            check_output_dir(merge_into, overwrite=True, force=True)
-
-
-def streaming_plan(
-    model: str | Path | None,
-    *,
-    streaming: bool,
-    num_samples: int = 32,
-    max_length: int = 512,
-    heldout: int = 4,
-    target: str | None = None,
-    linear: str | None = None,
-) -> Any:
-    """``calibrate --streaming --dry-run``: the :class:`~ascend_fa.streaming.plan.
-    StreamPlan` of that run (layers, shard reads, peak memory, disk), computing
-    nothing and writing nothing."""
-    from ascend_fa import artifact
-    from ascend_fa.streaming import plan_streaming
-
-    if not streaming:
-        raise InputError("--dry-run plans a --streaming run; add --streaming")
-    _check_positive(num_samples=num_samples, max_length=max_length)
-    if model is None or not Path(model).is_dir():
-        raise InputError(
-            "--streaming reads a Hugging Face checkpoint directory's safetensors "
-            "shards; pass --model DIR"
-        )
-    src_config = _source_config(model)
-    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
-    target = artifact.resolve_target(target)
-    linear = linear or _default_linear(target, mla)
-    return plan_streaming(
-        model,
-        num_samples=num_samples,
-        max_length=max_length,
-        heldout=heldout,
-        linear=linear != "none",
-    )
-
-
-def _with_carried(ckpt: Any, source_dir: Path, config: Any, dtype: Any) -> Any:
-    """``ckpt`` followed by the checkpoint's layers past the decoder stack (the
-    DeepSeek-V3 MTP layer, :mod:`ascend_fa.streaming.carry`), typed FLOAT."""
-    from ascend_fa.artifact import CheckpointTensors, LazyTensors
-    from ascend_fa.streaming.carry import carried_tensors
-
-    carried = carried_tensors(source_dir, int(config.num_hidden_layers), dtype)
-    if not len(carried):
-        return ckpt
-    tensors = (
-        ckpt.tensors.then(carried)
-        if isinstance(ckpt.tensors, LazyTensors)
-        else {**ckpt.tensors, **{n: carried[n] for n in carried}}
-    )
-    types = {**ckpt.types, **dict.fromkeys(carried, "FLOAT")}
-    return CheckpointTensors(tensors, types, ckpt.model_quant_type)
-
-
-def _check_streaming(
-    streaming: bool,
-    *,
-    merge_into: str | Path | None,
-    clip_search: bool,
-    criterion: str | None,
-    max_memory: str | int | None,
-) -> None:
-    """What ``--streaming`` cannot do, refused before anything loads."""
-    from ascend_fa.artifact import parse_size
-
-    if not streaming:
-        raise InputError("--max-memory bounds a --streaming run; add --streaming")
-    if merge_into is not None:
-        raise InputError("--streaming writes its own artifact; drop --merge-into")
-    if clip_search:
-        raise InputError("--clip-search keeps whole-model samples; drop --streaming")
-    if criterion == "kl":
-        raise InputError(
-            "--linear-fallback-criterion kl ranks groups by whole-model logits, "
-            "which a --streaming run never holds; use the layer criterion"
-        )
-    if max_memory is not None:
-        parse_size(max_memory)
 
 
 def calibrate(
@@ -312,6 +170,8 @@ def calibrate(
     linear_fallback_criterion: str = "layer",
     streaming: bool = False,
     max_memory: str | int | None = None,
+    transforms: str | list[str] | None = None,
+    error_budget: float | str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``; the result then goes to ``output`` or replaces it).
@@ -329,6 +189,10 @@ def calibrate(
     decoder layer in memory, loaded from the checkpoint's shards
     (:mod:`ascend_fa.streaming`; the same artifact); ``max_memory`` (bytes or
     ``"64GB"``) refuses a streaming run whose estimated peak exceeds it.
+    ``transforms``: exact attention transforms folded into the weights first
+    (:mod:`ascend_fa.transforms.attention`; ``"v-rotation,qk-smoothing"``).
+    ``error_budget``: a mean token KL; the fewest FA layers needed to meet it are
+    kept float (:mod:`.budget`; FA targets only).
     """
     from ascend_fa import artifact
     from ascend_fa.adapters.hf import find_fa_modules, swapped_points
@@ -337,17 +201,17 @@ def calibrate(
 
     from .data import load_calib_texts, split_calibration
     from .kv import KVCalibration, KVQuantSpec, recipe_settings
-    from .pipeline import calibrate_model
+    from .pipeline import calibrate_model, calibration_batches
     from .recipe import load_recipe
     from .report import build_report, heldout_report
 
     if output is None and merge_into is None:
         raise InputError("--output is required (or --merge-into DIR)")
-    _check_positive(
+    check_positive(
         num_samples=num_samples, max_length=max_length, batch_size=batch_size
     )
     artifact.parse_size(max_shard_size)
-    _check_locations(model, output, merge_into, overwrite=overwrite, force=force)
+    check_locations(model, output, merge_into, overwrite=overwrite, force=force)
     target = artifact.resolve_target(target)
     art_dtype = artifact.resolve_dtype(dtype)
     if kv_strategy not in artifact.KV_STRATEGIES:
@@ -355,7 +219,7 @@ def calibrate(
             f"--kv-strategy {kv_strategy!r}; choose one of "
             f"{', '.join(artifact.KV_STRATEGIES)}"
         )
-    src_config = _source_config(model)
+    src_config = source_config(model)
     mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
     if merge_into is not None and linear not in (None, "none"):
         raise InputError(
@@ -364,11 +228,22 @@ def calibrate(
     if merge_into is not None:
         linear = "none"
     elif linear is None:
-        linear = _default_linear(target, mla)
-    linear_type = _LINEAR_TYPES.get(str(linear).lower())
+        linear = default_linear(target, mla)
+    linear_type = LINEAR_TYPES.get(str(linear).lower())
     if linear_type is None:
         raise InputError(f"--linear {linear!r}; choose w8a8, w8a8_dynamic or none")
-    linear_fallback = _fallback(linear_fallback)
+    linear_fallback = parse_fallback(linear_fallback)
+    from ascend_fa.transforms.attention import parse_transforms
+
+    transform_names = parse_transforms(transforms)
+    from .budget import check_error_budget
+
+    budget = check_error_budget(error_budget)
+    if transform_names and merge_into is not None:
+        raise InputError(
+            "--transforms changes the model's weights; --merge-into keeps the "
+            "export's weights: use one or the other"
+        )
     artifact.check_target(
         target,
         mla=mla,
@@ -384,12 +259,24 @@ def calibrate(
     if merge_into is not None:
         artifact.check_merge_export(merge_into, src_config)
     if streaming or max_memory is not None:
-        _check_streaming(
+        check_streaming(
             streaming,
             merge_into=merge_into,
             clip_search=clip_search,
             criterion=linear_fallback_criterion if linear_type != "FLOAT" else None,
             max_memory=max_memory,
+        )
+    if streaming and (transform_names or budget is not None):
+        # Both change the in-memory model as a whole (folded weights, a KL
+        # measured over all layers); the streamed skeleton holds one layer.
+        raise InputError(
+            "--streaming does not apply --transforms or --error-budget: run "
+            "without --streaming, or without those options"
+        )
+    if budget is not None and target != "mindie" and mla is False:
+        raise InputError(
+            f"--error-budget keeps FAQuant layers float; --target {target} writes "
+            "KV-cache scales for GQA models: use --target mindie"
         )
     recipe_obj = load_recipe(Path(recipe) if recipe else default_recipe_path())
     texts = load_calib_texts(calib_data)
@@ -425,6 +312,28 @@ def calibrate(
     )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, net.config.to_dict())
+    transform_result = None
+    if transform_names:
+        from ascend_fa.transforms.attention import (
+            STATS_SAMPLES,
+            apply_attention_transforms,
+        )
+
+        # Folded before the linears and the FA scales, so both see the folded
+        # weights; the statistics forward runs on the original float model.
+        transform_result = apply_attention_transforms(
+            net,
+            calibration_batches(
+                loaded.tokenizer,
+                calib[:STATS_SAMPLES],
+                max_length=max_length,
+                batch_size=batch_size,
+                device=device,
+            ),
+            transform_names,
+            seed=seed,
+        )
+        seconds["transforms"] = transform_result.seconds
     linear_result = None
     if linear_type != "FLOAT":
         from ascend_fa.linear import LinearConfig
@@ -478,6 +387,34 @@ def calibrate(
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
     kv_scales = kv.scales(kv_strategy) if kv is not None else None
+    budget_result = None
+    if budget is not None:
+        if kv is not None:
+            raise InputError(
+                f"--error-budget keeps FAQuant layers float; --target {target} "
+                "writes KV-cache scales for this model: use --target mindie"
+            )
+        from .budget import BUDGET_SAMPLES, fit_error_budget
+
+        budget_result = fit_error_budget(
+            net,
+            list(
+                calibration_batches(
+                    loaded.tokenizer,
+                    calib[:BUDGET_SAMPLES],
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    device=device,
+                )
+            ),
+            budget,
+        )
+        scales = {k: v for k, v in scales.items() if k not in budget_result.kept_float}
+        if not scales:
+            raise InputError(
+                f"--error-budget {budget} keeps every attention layer float "
+                "(nothing left to quantize); raise the budget"
+            )
     t0 = time.perf_counter()
     held_stats, per_layer = ({}, {})
     if held:
@@ -493,6 +430,10 @@ def calibrate(
             if kv is not None and kv_mode is not None and kv_scales is not None
             else contextlib.nullcontext()
         )
+        if budget_result is not None:
+            from .budget import float_layers
+
+            deployed = float_layers(net, budget_result.kept_float)
         with deployed:
             held_stats, per_layer = heldout_report(
                 net,
@@ -533,6 +474,16 @@ def calibrate(
                 else None
             ),
             **(
+                {"error_budget": budget_result.to_report()}
+                if budget_result is not None
+                else {}
+            ),
+            **(
+                {"transforms": transform_result.to_report()}
+                if transform_result is not None
+                else {}
+            ),
+            **(
                 {"linears": linear_result.to_report()}
                 if linear_result is not None
                 else {}
@@ -548,7 +499,7 @@ def calibrate(
         },
     )
     fa_written = kv_scales is None
-    extra_files = _picture(report) if picture_report else {}
+    extra_files = picture_files(report) if picture_report else {}
     if merge_into:
         dest = artifact.merge_into(
             merge_into,
@@ -576,7 +527,7 @@ def calibrate(
             else artifact.checkpoint_tensors(net, art_dtype, tied_copies=tied_copies)
         )
         if mla and not loaded.gguf_file:
-            ckpt = _with_carried(ckpt, loaded.source_dir, net.config, art_dtype)
+            ckpt = with_carried(ckpt, loaded.source_dir, net.config, art_dtype)
         dest = artifact.export_artifact(
             output,
             state_dict=ckpt.tensors,
@@ -595,6 +546,11 @@ def calibrate(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             force=force,
+            metadata=(
+                transform_result.description_metadata()
+                if transform_result is not None
+                else None
+            ),
         )
     if streamed is not None:
         streamed.close()

@@ -172,6 +172,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stopping at a KL budget; needs the whole model in memory)",
     )
     parser.add_argument(
+        "--transforms",
+        default=None,
+        metavar="LIST",
+        help="exact attention transforms folded into the weights before "
+        "calibration, comma separated: v-rotation (per-KV-head randomised "
+        "Hadamard into v_proj/o_proj), qk-smoothing (per-RoPE-pair factor into "
+        "q_proj/k_proj or q_norm/k_norm, exponent searched per layer); default "
+        "none (GQA models only)",
+    )
+    parser.add_argument(
+        "--error-budget",
+        type=float,
+        default=None,
+        metavar="KL",
+        help="keep the fewest attention layers float (worst attention-output "
+        "cosine first) until the mean token KL on calibration samples is <= KL; "
+        "the ranking goes to calibration_report.json (default: all layers static)",
+    )
+    parser.add_argument(
         "--json",
         default=None,
         metavar="PATH",
@@ -235,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
         linear_fallback_criterion=args.linear_fallback_criterion,
         streaming=args.streaming,
         max_memory=args.max_memory,
+        transforms=args.transforms,
+        error_budget=args.error_budget,
     )
     for line in result.summary_lines():
         print(line)

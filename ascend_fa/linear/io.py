@@ -169,14 +169,28 @@ def load_quantized_model(
     return placed
 
 
+def _weights_differ(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a floating tensor of the artifact differs from the model's own
+    (cast to the artifact's dtype): folded transforms changed the weights."""
+    state = model.state_dict()
+    for key, t in tensors.items():
+        dst = state.get(key)
+        if dst is None or not t.is_floating_point() or dst.shape != t.shape:
+            continue
+        if not torch.equal(dst.detach().to("cpu", t.dtype), t):
+            return True
+    return False
+
+
 def artifact_model(model: nn.Module, directory: str | Path) -> nn.Module | None:
     """A deep copy of ``model`` carrying the artifact's weights when the artifact
-    has quantized linears (None otherwise: its weights are the source's). ``eval``
-    and ``emulate`` run it beside the float ``model``."""
+    has quantized linears or float weights other than the model's (folded
+    attention transforms); None when its weights are the source's. ``eval`` and
+    ``emulate`` run it beside the float ``model``."""
     import copy
 
     tensors = read_artifact_tensors(directory)
-    if not quantized_linear_names(tensors):
+    if not quantized_linear_names(tensors) and not _weights_differ(model, tensors):
         return None
     quantized = copy.deepcopy(model)
     load_quantized_model(quantized, tensors)

@@ -1,0 +1,199 @@
+"""What ``calibrate`` checks and decides before the model loads: the linear type a
+target deploys, the fallback argument, the source config, counts and output
+locations, the streaming options and plan; and the small helpers around the export
+(the picture report, the carried MTP tensors). Kept apart from :mod:`.job` so the
+verb reads as its steps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ascend_fa.errors import InputError
+
+__all__ = [
+    "LINEAR_TYPES",
+    "check_locations",
+    "check_positive",
+    "check_streaming",
+    "default_linear",
+    "parse_fallback",
+    "picture_files",
+    "source_config",
+    "streaming_plan",
+    "with_carried",
+]
+
+
+#: ``--linear`` value -> the description's ``model_quant_type``.
+LINEAR_TYPES = {"none": "FLOAT", "w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}
+
+
+def default_linear(target: str, mla: bool | None) -> str:
+    """The linears a target deploys by default: MindIE loads attention quantization
+    only beside quantized linears (W8A8); vllm-ascend's FAKQuant path reads the
+    quantized MLA linears (W8A8_DYNAMIC), its GQA C8 path keeps them float; vLLM's
+    KV-cache scheme needs none."""
+    if target == "mindie":
+        return "w8a8"
+    if target == "vllm-ascend" and mla:
+        return "w8a8_dynamic"
+    return "none"
+
+
+def parse_fallback(value: int | str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if isinstance(value, bool) or n < 0:
+        raise InputError(
+            f"--linear-fallback must be a number >= 0 or 'auto', got {value!r}"
+        )
+    return n
+
+
+def source_config(model: str | Path | None) -> dict[str, Any] | None:
+    """A HF checkpoint directory's ``config.json`` as a dict (None for GGUF, the
+    default model, or an unreadable file: the loader reports those)."""
+    import json
+
+    if model is None:
+        return None
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def picture_files(report: dict[str, Any]) -> dict[str, bytes]:
+    """``{calibration_report.png: bytes}``, or nothing (with a warning) when
+    matplotlib cannot draw here."""
+    import logging
+
+    from .plots import REPORT_PNG, render_report_png
+
+    try:
+        return {REPORT_PNG: render_report_png(report)}
+    except ImportError as exc:
+        logging.getLogger(__name__).warning(
+            "no picture report: %s (pip install matplotlib)", exc
+        )
+        return {}
+
+
+def check_positive(**values: int) -> None:
+    for flag, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InputError(f"--{flag.replace('_', '-')} must be > 0, got {value!r}")
+
+
+def check_locations(
+    model: str | Path | None,
+    output: str | Path | None,
+    merge_into: str | Path | None,
+    *,
+    overwrite: bool,
+    force: bool,
+) -> None:
+    """Every refusal about where we write, before the model loads: the output is
+    not the model or the merge target, nor inside or around them; it is not a
+    symlink, and replaces only what ``overwrite``/``force`` allow (the merge
+    target's contents are checked by the caller (``artifact.check_merge_export``)."""
+    from ascend_fa.artifact.output import check_output_dir
+    from ascend_fa.safe_paths import check_disjoint
+
+    if output is not None:
+        check_disjoint(output, {"--model": model, "--merge-into": merge_into})
+        check_output_dir(output, overwrite=overwrite, force=force)
+    if merge_into is not None:
+        if output is None:
+            check_output_dir(merge_into, overwrite=True, force=True)
+
+
+def streaming_plan(
+    model: str | Path | None,
+    *,
+    streaming: bool,
+    num_samples: int = 32,
+    max_length: int = 512,
+    heldout: int = 4,
+    target: str | None = None,
+    linear: str | None = None,
+) -> Any:
+    """``calibrate --streaming --dry-run``: the :class:`~ascend_fa.streaming.plan.
+    StreamPlan` of that run (layers, shard reads, peak memory, disk), computing
+    nothing and writing nothing."""
+    from ascend_fa import artifact
+    from ascend_fa.streaming import plan_streaming
+
+    if not streaming:
+        raise InputError("--dry-run plans a --streaming run; add --streaming")
+    check_positive(num_samples=num_samples, max_length=max_length)
+    if model is None or not Path(model).is_dir():
+        raise InputError(
+            "--streaming reads a Hugging Face checkpoint directory's safetensors "
+            "shards; pass --model DIR"
+        )
+    src_config = source_config(model)
+    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
+    target = artifact.resolve_target(target)
+    linear = linear or default_linear(target, mla)
+    return plan_streaming(
+        model,
+        num_samples=num_samples,
+        max_length=max_length,
+        heldout=heldout,
+        linear=linear != "none",
+    )
+
+
+def with_carried(ckpt: Any, source_dir: Path, config: Any, dtype: Any) -> Any:
+    """``ckpt`` followed by the checkpoint's layers past the decoder stack (the
+    DeepSeek-V3 MTP layer, :mod:`ascend_fa.streaming.carry`), typed FLOAT."""
+    from ascend_fa.artifact import CheckpointTensors, LazyTensors
+    from ascend_fa.streaming.carry import carried_tensors
+
+    carried = carried_tensors(source_dir, int(config.num_hidden_layers), dtype)
+    if not len(carried):
+        return ckpt
+    tensors = (
+        ckpt.tensors.then(carried)
+        if isinstance(ckpt.tensors, LazyTensors)
+        else {**ckpt.tensors, **{n: carried[n] for n in carried}}
+    )
+    types = {**ckpt.types, **dict.fromkeys(carried, "FLOAT")}
+    return CheckpointTensors(tensors, types, ckpt.model_quant_type)
+
+
+def check_streaming(
+    streaming: bool,
+    *,
+    merge_into: str | Path | None,
+    clip_search: bool,
+    criterion: str | None,
+    max_memory: str | int | None,
+) -> None:
+    """What ``--streaming`` cannot do, refused before anything loads."""
+    from ascend_fa.artifact import parse_size
+
+    if not streaming:
+        raise InputError("--max-memory bounds a --streaming run; add --streaming")
+    if merge_into is not None:
+        raise InputError("--streaming writes its own artifact; drop --merge-into")
+    if clip_search:
+        raise InputError("--clip-search keeps whole-model samples; drop --streaming")
+    if criterion == "kl":
+        raise InputError(
+            "--linear-fallback-criterion kl ranks groups by whole-model logits, "
+            "which a --streaming run never holds; use the layer criterion"
+        )
+    if max_memory is not None:
+        parse_size(max_memory)

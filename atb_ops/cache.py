@@ -45,12 +45,13 @@ The kernel picks one of two write paths (same bytes either way):
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, c0
+from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, ROUND_MAGIC, c0
 from .quant import c8_codes, fp8_codes
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "check_reshape_and_cache",
     "check_reshape_and_cache_mla",
     "nz_width_message",
+    "repeated_slot",
     "reshape_and_cache_ref",
     "reshape_and_cache_mla_ref",
     "token_rows_ref",
@@ -233,8 +235,13 @@ def _check_float(fn: str, name: str, x: object, rank: int, want: str) -> torch.T
 
 
 def _check_slots(
-    fn: str, slot_mapping: object, n_tokens: int, num_slots: int, device: torch.device
+    fn: str,
+    slot_mapping: object,
+    n_tokens: int,
+    geo: CacheGeometry,
+    device: torch.device,
 ) -> None:
+    num_slots, block_size = geo.num_slots, geo.block_size
     if not isinstance(slot_mapping, torch.Tensor):
         raise ValueError(
             f"{fn}: slot_mapping must be a tensor, got {_name(slot_mapping)}"
@@ -254,23 +261,49 @@ def _check_slots(
         )
     if n_tokens == 0:
         return
-    bad = slot_mapping >= num_slots
-    if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
+    # one reduction for both ends; a boolean-mask index would cost a parallel
+    # nonzero + gather on every call, so it is only built when padding is present
+    lo, hi = torch.aminmax(slot_mapping)
+    if int(hi) >= num_slots:
+        idx = int((slot_mapping >= num_slots).nonzero()[0, 0])
         raise ValueError(
             f"{fn}: slot_mapping[{idx}] = {int(slot_mapping[idx])} is out of "
             f"range: the cache has NB*BS = {num_slots} slots"
         )
-    valid = slot_mapping[slot_mapping >= 0]
-    if valid.numel() > 1:
-        ordered = torch.sort(valid).values
-        dup = ordered[1:] == ordered[:-1]
-        if bool(dup.any()):
-            slot = int(ordered[1:][dup][0])
-            raise ValueError(
-                f"{fn}: slot_mapping writes slot {slot} more than once "
-                "(the result would depend on write order)"
-            )
+    valid = slot_mapping
+    if int(lo) < 0:
+        valid = torch.masked_select(slot_mapping, slot_mapping >= 0)
+    slot = repeated_slot(valid, block_size)
+    if slot is not None:
+        raise ValueError(
+            f"{fn}: slot_mapping writes slot {slot} more than once "
+            "(the result would depend on write order)"
+        )
+
+
+def repeated_slot(slots: torch.Tensor, block_size: int) -> int | None:
+    """The smallest slot that ``slots`` ``[N]`` (all >= 0) lists twice, or None.
+
+    A prefill hands out whole blocks, each as ``BS`` consecutive slots starting at
+    a block boundary: then two tokens can only collide by sharing a block, so the
+    check sorts the ``N / BS`` block starts instead of all ``N`` slots (the shape
+    test is two elementwise passes over ``N``)."""
+    n = slots.numel()
+    if n < 2:
+        return None
+    if n % block_size == 0 and n > block_size:
+        rows = slots.view(-1, block_size)
+        first = rows[:, :1]
+        steps = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
+        if torch.equal(rows - first, steps.expand_as(rows)) and not bool(
+            (first % block_size).any()
+        ):
+            slots = first.reshape(-1)
+    ordered = torch.sort(slots).values
+    dup = (ordered[1:] == ordered[:-1]).nonzero()
+    if dup.numel():
+        return int(ordered[int(dup[0, 0])])
+    return None
 
 
 def _check_pair(
@@ -344,7 +377,7 @@ def check_reshape_and_cache(
             f"(shape {tuple(key_cache.shape)}) but key has Hkv*D = "
             f"{hkv}*{d} = {hkv * d}"
         )
-    _check_slots(fn, slot_mapping, t, geo.num_slots, key.device)
+    _check_slots(fn, slot_mapping, t, geo, key.device)
     return geo
 
 
@@ -416,13 +449,13 @@ def check_reshape_and_cache_mla(
                 f"{fn}: {name} holds {geo.width} features per token (shape "
                 f"{tuple(cache.shape)}) but the input has {width}"
             )
-    _check_slots(fn, slot_mapping, t, lgeo.num_slots, latent.device)
+    _check_slots(fn, slot_mapping, t, lgeo, latent.device)
     return lgeo, rgeo
 
 
 # -- kernels ------------------------------------------------------------------------
-#: Elements quantized per chunk and intra-op thread (a 1 MiB fp32 share, resident
-#: in the L2 cache so the five passes over it run at cache speed): the buffer is reused
+#: Elements quantized per chunk and intra-op thread (a 1 MiB fp32 share, near the
+#: L2 cache so the passes over it run at cache speed): the buffer is reused
 #: across chunks, and on CPU across calls, since a fresh buffer costs page faults
 #: on first touch every step. Larger chunks spill to memory on every pass; much
 #: smaller ones pay the per-op overhead (and, with intra-op threads competing for
@@ -440,16 +473,34 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
     return buf[:numel]
 
 
+@functools.cache
+def _narrow_truncates() -> bool:
+    """Whether torch's int32 -> int8 cast keeps the low byte (C++ ``static_cast``
+    semantics) on this build, checked once over all 256 codes at a length that
+    takes the vectorized path. :func:`_quantize_rows` relies on it; a build that
+    saturated instead would get the exact integer subtracted first."""
+    codes = torch.arange(INT8_MIN, INT8_MAX + 1, dtype=torch.int32).repeat(64)
+    magic = torch.tensor(ROUND_MAGIC).view(torch.int32)
+    return torch.equal((codes + magic).to(torch.int8), codes.to(torch.int8))
+
+
 def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``quantize_per_head(x, scale, axis=1)`` for ``x`` ``[T, H, D]``, chunked over
-    tokens: widen into an fp32 buffer, divide, round (half to even) and clamp in
-    place, cast to int8 -- the same operations on the same fp32 values as
-    :func:`~ascend_fa.atb_ops.quant.quantize_per_head`, hence the same codes.
+    tokens, in three passes over an fp32 scratch chunk plus the narrowing cast:
 
-    A 16-bit input is widened by a plain copy first and then divided fp32 by fp32:
-    the widening is exact, and two same-dtype passes run faster than one
-    mixed-dtype divide. The per-head scale is expanded over ``D`` (contiguous) so
-    the divide streams both operands instead of broadcasting along the inner dim.
+    1. widen a 16-bit chunk into the scratch (exact; fp32 input skips this);
+    2. ``addcdiv``: ``ROUND_MAGIC + x / s`` -- the fp32 quotient ``q = fl(x / s)``
+       exactly as :func:`~ascend_fa.atb_ops.quant.int8_codes` forms it (a true
+       division, not a reciprocal), then the add rounds ``q`` half to even (see
+       ``ROUND_MAGIC``), fusing ``torch.round`` into the divide's pass;
+    3. clamp to ``[MAGIC - 128, MAGIC + 127]``: ``fl`` is monotonic, so a quotient
+       beyond the int8 range (or +-inf) lands on the same bound as
+       ``clamp(round(q))`` would;
+    4. cast the fp32 bits as int32 to int8: the low byte is the code.
+
+    Same codes bit for bit as ``quantize_per_head`` for every finite or infinite
+    input (NaN inputs have no defined int8 code in either). The per-head scale is
+    expanded over ``D`` (contiguous) so the divide streams both operands.
     """
     t = x.shape[0]
     per_token = max(x[0].numel(), 1) if t else 1
@@ -467,16 +518,20 @@ def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     buf = _scratch(rows * per_token, x.device).view(rows, *x.shape[1:])
     s = scale.to(device=x.device, dtype=torch.float32).view(1, -1, 1)
     s = s.expand(1, *x.shape[1:]).contiguous()
+    magic = torch.tensor(ROUND_MAGIC, dtype=torch.float32, device=x.device)
+    exact = _narrow_truncates()
     for start in range(0, t, step):
         part = buf[: min(step, t - start)]
         src = x[start : start + step]
-        if src.dtype == torch.float32:
-            torch.div(src, s, out=part)
-        else:
+        if src.dtype != torch.float32:
             part.copy_(src)
-            part.div_(s)
-        part.round_().clamp_(INT8_MIN, INT8_MAX)
-        out[start : start + step].copy_(part)
+            src = part
+        torch.addcdiv(magic, src, s, out=part)
+        part.clamp_(ROUND_MAGIC + INT8_MIN, ROUND_MAGIC + INT8_MAX)
+        bits = part.view(torch.int32)
+        if not exact:
+            bits.sub_(magic.view(torch.int32))
+        out[start : start + step].copy_(bits)
     return out
 
 

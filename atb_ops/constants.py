@@ -16,6 +16,7 @@ __all__ = [
     "INT8_MIN",
     "INT8_MAX",
     "SCALE_EPS",
+    "ROUND_MAGIC",
     "FP8_E4M3_MAX",
     "FP8_KV_DTYPE",
     "FP8_BLOCK",
@@ -39,6 +40,13 @@ INT8_MAX = 127
 #: Smallest scale handed out: 2**-23 keeps ``x / scale`` finite for an all-zero
 #: head and matches the reference tool's floor.
 SCALE_EPS = 2.0**-23
+
+#: ``1.5 * 2**23``: fp32 values in ``[2**23, 2**24)`` are spaced exactly 1 apart, so
+#: ``fl32(ROUND_MAGIC + q)`` is ``ROUND_MAGIC + round_half_even(q)`` for
+#: ``|q| < 2**22`` (the IEEE add rounds the exact sum to nearest even, and the magic
+#: is even), and that integer sits in the low mantissa bits: the bits of the sum are
+#: ``bits(ROUND_MAGIC) + n``, whose low byte is ``n`` as a two's-complement int8.
+ROUND_MAGIC = 12582912.0
 
 #: Largest finite float8_e4m3fn value (OCP E4M3, as DeepSeek checkpoints use).
 FP8_E4M3_MAX = 448.0

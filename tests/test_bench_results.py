@@ -135,3 +135,58 @@ def test_linear_accuracy_records_one_per_recipe_and_goal(tmp_path):
     doc = write_results(tmp_path / "r.json", records, backend="cpu")
     assert load_results(tmp_path / "r.json")["schema"] == SCHEMA == doc["schema"]
     assert len(doc["records"]) == 4 + 2 * 6 + 1
+
+
+def test_check_results_accepts_written_files_and_names_bad_fields(tmp_path):
+    from ascend_fa.benchmarks.results import check_results
+
+    path = _doc(tmp_path, "a.json", {"int8": 0.01, "fp16": 0.02})
+    assert len(check_results(path, "kvcache")["records"]) == 2
+    with pytest.raises(FileFormatError, match="from benchmark 'kvcache'"):
+        check_results(path, "layout")
+    doc = json.loads(path.read_text())
+    for field, value, message in [
+        ("median_s", "fast", "record 1: 'median_s' is 'fast'"),
+        ("params", None, "record 1: 'params' is None"),
+        ("verdict", "PASS", "record 1: verdict 'PASS'"),
+        ("repeats", True, "record 1: 'repeats' is True"),
+    ]:
+        bad = json.loads(json.dumps(doc))
+        bad["records"][1][field] = value
+        broken = tmp_path / f"bad_{field}.json"
+        broken.write_text(json.dumps(bad))
+        with pytest.raises(FileFormatError, match=message) as err:
+            check_results(broken)
+        assert broken.name in str(err.value)
+    empty = json.loads(json.dumps(doc))
+    empty["records"] = []
+    (tmp_path / "empty.json").write_text(json.dumps(empty))
+    with pytest.raises(FileFormatError, match="no records"):
+        check_results(tmp_path / "empty.json")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["targets", "calibration-overhead"])
+def test_quick_json_in_the_one_schema(tmp_path, name):
+    """The two benchmarks converted last write the schema: one record per row, the
+    baseline row with ratio 1, goals only where the issue sets one."""
+    from ascend_fa.benchmarks.results import check_results
+
+    path = tmp_path / f"{name}.json"
+    main(["bench", name, "--quick", "--json", str(path)])
+    doc = check_results(path, name)
+    modes = {r["mode"] for r in doc["records"]}
+    if name == "targets":
+        assert modes == {
+            "float", "mindie_faquant", "vllm_ascend_c8", "vllm_fp8_tensor",
+            "vllm_fp8_head",
+        }  # fmt: skip
+        assert {r["params"]["eval"] for r in doc["records"]} == {"prose", "code"}
+        assert all("kl" in r["extra"] and "top1" in r["extra"] for r in doc["records"])
+    else:
+        assert {"plain", "ours", "packaged", "seed_sort", "w8a8_linears"} <= modes
+        goals = {r["mode"]: r["goal"] for r in doc["records"]}
+        assert goals["ours"] == "<= 1.25" and goals["w8a8_linears_fa"] == "<= 1.35"
+        assert doc["extra"]["identical_scales"] is True
+    base = [r for r in doc["records"] if r["mode"] in ("plain", "float")]
+    assert base and all(r["ratio"] == 1.0 for r in base)

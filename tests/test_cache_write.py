@@ -234,3 +234,79 @@ def test_golden_write_codes_equal_the_per_element_quantization_reference(rng):
     reshape_and_cache_ref(key, key, kc, vc, slots, scale, scale, "nd")
     want = quantize_per_head_ref(key, scale, axis=1)
     assert torch.equal(kc[0, [0, 5, 9]], want)
+
+
+def _all_16bit(dtype):
+    """Every non-NaN value of a 16-bit float dtype (the infinities included)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[~torch.isnan(x)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_quantization_every_16bit_value(dtype):
+    """The write path's fused quantizer (magic-number rounding, narrowing cast) gives
+    the golden codes (floor-based half-to-even, no torch.round) for every 16-bit
+    input, with scales that make ties, saturate, or underflow to inf quotients."""
+    from ascend_fa.atb_ops.cache import _quantize_ref, _quantize_rows
+
+    x = _all_16bit(dtype)
+    scales = torch.tensor([1.0, 0.5, 0.02, 3.0e-4, 2.0**-23, 1e-38, 7.0, 1.0e6])
+    h = scales.numel()
+    d = 64
+    n = x.numel() // d * d
+    rows = x[:n].view(-1, 1, d).expand(-1, h, d).contiguous()
+    got = _quantize_rows(rows, scales)
+    assert torch.equal(got, _quantize_ref(rows, scales))
+    assert torch.equal(got, quantize_per_head(rows, scales, axis=1))
+
+
+def test_fused_quantization_fp32_ties_and_bounds(rng):
+    """fp32 input: exact half-integer quotients round to even, the int8 bounds and
+    one past them saturate, +-inf saturate, large finite values saturate."""
+    from ascend_fa.atb_ops.cache import _quantize_ref, _quantize_rows
+
+    halves = torch.arange(-130, 130, dtype=torch.float32) + 0.5
+    edges = torch.tensor(
+        [127.0, 127.49999, 127.5, 128.0, -128.0, -128.5, -128.50002, -129.0, 0.0,
+         -0.0, 3.0e38, -3.0e38, float("inf"), float("-inf"), 4194303.5, 2.0**22,
+         2.0**23, -(2.0**23) - 1.0, 1e-45]
+    )  # fmt: skip
+    noise = torch.randn(4000, generator=rng) * 200
+    x = torch.cat([halves, edges, noise])
+    x = x[: x.numel() // 2 * 2].view(-1, 2, 1).expand(-1, 2, 8).contiguous()
+    scale = torch.tensor([1.0, 0.5])
+    got = _quantize_rows(x, scale)
+    assert torch.equal(got, _quantize_ref(x, scale))
+    assert torch.equal(got, quantize_per_head(x, scale, axis=1))
+
+
+@pytest.mark.parametrize("pattern", ["whole_blocks", "scattered", "padded"])
+def test_repeated_slot_found_in_every_slot_pattern(rng, pattern):
+    """Duplicate slots are refused whether the call writes whole blocks in order
+    (checked on block starts), scattered slots, or slots with padding."""
+    from ascend_fa.atb_ops.cache import repeated_slot
+
+    bs, nb = 16, 8
+    if pattern == "whole_blocks":
+        blocks = torch.tensor([5, 2, 7, 2])  # block 2 handed out twice
+        slots = (blocks.view(-1, 1) * bs + torch.arange(bs)).view(-1)
+        want = 32
+    else:
+        slots = torch.randperm(nb * bs, generator=rng)[:40]
+        slots[31] = slots[3]
+        want = int(slots[3])
+        if pattern == "padded":
+            slots[[0, 9]] = -1
+    assert repeated_slot(slots[slots >= 0], bs) == want
+    clean = torch.unique(slots[slots >= 0])
+    assert repeated_slot(clean, bs) is None
+    key = torch.randn(slots.numel(), 1, 16, generator=rng).half()
+    kc, vc = _caches("nz", nb, bs, 1, 16, torch.float16, 3)
+    before = kc.clone()
+    with pytest.raises(ValueError, match=f"writes slot {want} more than once"):
+        reshape_and_cache(key, key, kc, vc, slots.to(torch.int32))
+    assert torch.equal(kc, before)
+    # whole blocks in order but not aligned to a block start: still sorted per slot
+    shifted = (torch.tensor([1, 3]).view(-1, 1) * bs + 3 + torch.arange(bs)).view(-1)
+    assert repeated_slot(shifted, bs) is None
+    assert repeated_slot(torch.cat([shifted, shifted[:bs]]), bs) == int(shifted[0])

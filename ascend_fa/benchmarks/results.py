@@ -47,6 +47,7 @@ __all__ = [
     "verdict",
     "write_results",
     "load_results",
+    "check_results",
     "compare_results",
 ]
 
@@ -254,6 +255,67 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FileFormatError(
             f"not a benchmark result file (schema {SCHEMA} with records)", path=path
         )
+    return doc
+
+
+#: Field -> accepted JSON types of every record (None: null allowed).
+_RECORD_FIELDS: dict[str, tuple[type | None, ...]] = {
+    "benchmark": (str,),
+    "backend": (str,),
+    "mode": (str,),
+    "params": (dict,),
+    "median_s": (int, float, None),
+    "spread": (int, float, None),
+    "repeats": (int,),
+    "ratio": (int, float, None),
+    "baseline": (str, None),
+    "goal": (str, None),
+    "verdict": (str, None),
+    "extra": (dict,),
+}
+
+
+def check_results(
+    path: str | os.PathLike[str], benchmark: str | None = None
+) -> dict[str, Any]:
+    """:func:`load_results`, then every record checked field by field against the
+    schema (and its ``benchmark`` against ``benchmark`` when given);
+    ``FileFormatError`` naming the file, the record and the field otherwise.
+    Returns the document."""
+    from ascend_fa.errors import FileFormatError
+
+    doc = load_results(path)
+    if not isinstance(doc.get("environment"), dict):
+        raise FileFormatError("no environment block", path=path)
+    if not doc["records"]:
+        raise FileFormatError("no records", path=path)
+    for i, rec in enumerate(doc["records"]):
+        if not isinstance(rec, dict):
+            raise FileFormatError(f"record {i} is not an object", path=path)
+        for key, types in _RECORD_FIELDS.items():
+            value = rec.get(key)
+            ok = (value is None and None in types) or (
+                value is not None
+                and not isinstance(value, bool)
+                and isinstance(value, tuple(t for t in types if t is not None))
+            )
+            if key not in rec or not ok:
+                raise FileFormatError(
+                    f"record {i}: {key!r} is {value!r}, expected "
+                    + " or ".join("null" if t is None else t.__name__ for t in types),
+                    path=path,
+                )
+        if rec["verdict"] not in (None, "ok", "miss"):
+            raise FileFormatError(
+                f"record {i}: verdict {rec['verdict']!r} is not ok/miss/null",
+                path=path,
+            )
+        if benchmark is not None and rec["benchmark"] != benchmark:
+            raise FileFormatError(
+                f"record {i} is from benchmark {rec['benchmark']!r}, expected "
+                f"{benchmark!r}",
+                path=path,
+            )
     return doc
 
 

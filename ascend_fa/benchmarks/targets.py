@@ -15,6 +15,13 @@ The model runs in fp32 with float linears: the rows isolate the attention /
 KV-cache quantization of each target (``mindie`` deploys FAQuant next to W8A8
 linears; their error is measured by the linear-quantization benchmark).
 ``--quick`` uses a tiny random LLaMA and a few hundred tokens (a smoke run).
+
+``--json`` writes the one result schema (:mod:`.results`): per evaluation text, a
+``float`` record and one per target (``mode`` ``mindie_faquant``,
+``vllm_ascend_c8``, ``vllm_fp8_tensor``, ``vllm_fp8_head``) whose ``median_s`` is
+the time of that spec's forwards over the windows, ``ratio`` its perplexity over
+the float model's, and ``extra`` the ppl, ppl change, KL and top-1. The FAQuant
+row carries the accuracy goal (ppl ratio <= 1.002 and KL <= 0.003, both must hold).
 """
 
 from __future__ import annotations
@@ -26,10 +33,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._util import print_table, write_json
+from ._util import print_table
+from .results import Record, verdict, write_results
 
 NAME = "targets"
 HELP = "ppl / KL / top-1 of what each target deploys (mindie, vllm-ascend, vllm)"
+
+#: Table label of each deployed spec -> its record ``mode``.
+SPEC_MODES = {
+    "mindie: FAQuant Q/K/V per head": "mindie_faquant",
+    "vllm-ascend: C8 K/V per channel, Q float": "vllm_ascend_c8",
+    "vllm: FP8 K/V per tensor, Q float": "vllm_fp8_tensor",
+    "vllm: FP8 K/V per head, Q float": "vllm_fp8_head",
+}
+#: Goals (ppl ratio vs float, KL per token) where an issue sets one: FAQuant with
+#: float linears, perplexity change <= +0.2 % and KL <= 0.0030 on prose and code.
+#: Not applied at ``--quick`` (a tiny random model).
+GOALS = {"mindie_faquant": ("<= 1.002", "<= 0.003")}
+
+
+def _verdict(ratio: float, kl: float, goal: tuple[str, str] | None) -> str | None:
+    """``ok`` when both the ppl ratio and the KL meet ``goal``; None without one."""
+    if goal is None:
+        return None
+    both = (verdict(ratio, goal[0]), verdict(kl, goal[1]))
+    return "ok" if both == ("ok", "ok") else "miss"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,20 +139,25 @@ def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any
     from ascend_fa.metrics import token_kl, token_nll
 
     sums = {k: [0.0, 0.0, 0, 0] for k in ["float", *specs]}  # nll, kl, top1, n
+    seconds = dict.fromkeys(["float", *specs], 0.0)  # forwards only
     with injected_points(model) as (_adapter, mods):
         for spec in specs.values():
             if callable(getattr(spec, "check", None)):
                 spec.check(mods)
         for w in windows:
             ids = w.view(1, -1)
+            t0 = time.perf_counter()
             with swapped_points(mods, _maker(None)):
                 ref = model(input_ids=ids, use_cache=False).logits
+            seconds["float"] += time.perf_counter() - t0
             nll, n = token_nll(ref, ids)
             sums["float"][0] += nll
             sums["float"][3] += n
             for key, spec in specs.items():
+                t0 = time.perf_counter()
                 with swapped_points(mods, _maker(spec)):
                     out = model(input_ids=ids, use_cache=False).logits
+                seconds[key] += time.perf_counter() - t0
                 kl, top1, count = token_kl(ref[:, :-1], out[:, :-1])
                 s = sums[key]
                 s[0] += token_nll(out, ids)[0]
@@ -141,8 +174,9 @@ def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any
             "ppl_delta_pct": 100 * (ppl / ppl_f - 1),
             "kl": kl / n,
             "top1": top1 / n,
+            "seconds": seconds[key],
         }
-    return ppl_f, sums["float"][3], rows
+    return ppl_f, sums["float"][3], rows, seconds["float"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,11 +274,11 @@ def run(args: argparse.Namespace) -> int:
     for data in results:
         headers += [f"{data} ppl Δ", f"{data} KL", f"{data} top-1"]
     rows = [["float (reference)"]]
-    for ppl_f, tokens, _ in results.values():
+    for ppl_f, tokens, _, _ in results.values():
         rows[0] += [f"{ppl_f:.3f} ({tokens} tok)", "0", "1"]
     for label in specs:
         row = [label]
-        for _ppl, _tokens, r in results.values():
+        for _ppl, _tokens, r, _ in results.values():
             e = r[label]
             row += [
                 f"{e['ppl_delta_pct']:+.3f}%",
@@ -253,15 +287,62 @@ def run(args: argparse.Namespace) -> int:
             ]
         rows.append(row)
     print_table(headers, rows)
-    if args.json:
-        write_json(
-            args.json,
-            {
-                "model": name,
-                "results": {
-                    d: {"ppl_float": r[0], "tokens": r[1], "rows": r[2]}
-                    for d, r in results.items()
-                },
-            },
+    records = []
+    for data, (ppl_f, tokens, found, float_s) in results.items():
+        params = {
+            "model": name,
+            "eval": data,
+            "tokens": tokens,
+            "num_samples": n,
+            "max_length": length,
+        }
+        records.append(
+            Record(
+                NAME,
+                "cpu",
+                "float",
+                params,
+                float_s,
+                ratio=1.0,
+                baseline="float",
+                extra={"ppl": ppl_f, "kl": 0.0, "top1": 1.0},
+            )
         )
+        for label, e in found.items():
+            mode = SPEC_MODES[label]
+            ratio = e["ppl"] / ppl_f
+            goal = None if quick else GOALS.get(mode)
+            records.append(
+                Record(
+                    NAME,
+                    "cpu",
+                    mode,
+                    params,
+                    e["seconds"],
+                    ratio=ratio,
+                    baseline="float",
+                    goal=goal and goal[0],
+                    verdict=_verdict(ratio, e["kl"], goal),
+                    extra={
+                        "label": label,
+                        "ppl": e["ppl"],
+                        "ppl_delta_pct": e["ppl_delta_pct"],
+                        "kl": e["kl"],
+                        "kl_goal": goal and goal[1],
+                        "top1": e["top1"],
+                    },
+                )
+            )
+            if goal is not None:
+                word = "ok" if records[-1].verdict == "ok" else "NOT MET"
+                print(
+                    f"{mode} on {data}: ppl x{ratio:.4f} ({goal[0]}), KL "
+                    f"{e['kl']:.5f} ({goal[1]}): {word}"
+                )
+    write_results(
+        args.json,
+        records,
+        backend="cpu",
+        extra={"load_seconds": load_s, "calibration_seconds": calib_s},
+    )
     return 0

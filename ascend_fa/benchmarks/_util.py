@@ -9,11 +9,13 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ascend_fa.tables import print_table
 
 __all__ = [
+    "AccuracySetup",
+    "accuracy_setup",
     "time_fn",
     "gbps",
     "peak_rss_bytes",
@@ -66,3 +68,46 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(payload, f, indent=2, default=str)
+
+
+class AccuracySetup(NamedTuple):
+    """What the accuracy benchmarks share: sizes, the artifact dtype, the model
+    (loaded once, with its load time), the calibration split and the held-out
+    ``windows`` (``prose`` / ``code``)."""
+
+    num_samples: int
+    max_length: int
+    dtype: Any
+    loaded: Any
+    load_s: float
+    calib: list[str]
+    windows: dict[str, Any]
+
+
+def accuracy_setup(args: Any) -> AccuracySetup:
+    """The common start of an accuracy benchmark from its parsed ``args``
+    (``num_samples``, ``max_length``, ``max_eval_tokens``, ``dtype`` ``bf16|fp16``,
+    ``model``, ``gguf_file``, ``quick``): the demo model and the packaged
+    calibration and held-out texts, at the ``--quick`` sizes when asked."""
+    import torch
+
+    from ascend_fa.calibration.data import load_calib_texts
+    from ascend_fa.calibration.methods import calibration_split
+    from ascend_fa.evaluation import load_eval_text, token_windows
+    from ascend_fa.models import load_model
+
+    n = args.num_samples or (4 if args.quick else 32)
+    length = args.max_length or (64 if args.quick else 512)
+    max_eval = args.max_eval_tokens or (128 if args.quick else None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, args.gguf_file)
+    load_s = time.perf_counter() - t0
+    calib = calibration_split(load_calib_texts(), n)
+    windows = {
+        d: token_windows(
+            loaded.tokenizer, load_eval_text(d), window=512, max_tokens=max_eval
+        )
+        for d in ("prose", "code")
+    }
+    return AccuracySetup(n, length, dtype, loaded, load_s, calib, windows)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ._util import print_table
+from ._util import accuracy_setup, print_table
 
 NAME = "attention-accuracy"
 HELP = "FAQuant accuracy with folded V rotation / Q-K smoothing, from artifacts"
@@ -103,9 +103,7 @@ def _write(
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.benchmarks.results import Record, verdict, write_results
-    from ascend_fa.calibration.data import load_calib_texts
     from ascend_fa.calibration.job import default_recipe_path
-    from ascend_fa.calibration.methods import calibration_split
     from ascend_fa.calibration.pipeline import (
         calibrate_model,
         calibration_batches,
@@ -114,31 +112,24 @@ def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.recipe import FA3QuantConfig, Recipe, load_recipe
     from ascend_fa.evaluation import (
         evaluate,
-        load_eval_text,
         read_artifact_spec,
-        token_windows,
     )
     from ascend_fa.linear import artifact_model
-    from ascend_fa.models import load_model
     from ascend_fa.transforms.attention import (
         STATS_SAMPLES,
         apply_attention_transforms,
         parse_transforms,
     )
 
-    n = args.num_samples or (4 if args.quick else 32)
-    length = args.max_length or (64 if args.quick else 512)
-    max_eval = args.max_eval_tokens or (128 if args.quick else None)
-    dtype = _DTYPES[args.dtype]
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, args.gguf_file)
+    setup = accuracy_setup(args)
+    length, dtype = setup.max_length, setup.dtype
+    loaded, t_load, calib, windows = (
+        setup.loaded,
+        setup.load_s,
+        setup.calib,
+        setup.windows,
+    )
     net, tok = loaded.model, loaded.tokenizer
-    t_load = time.perf_counter() - t0
-    calib = calibration_split(load_calib_texts(), n)
-    windows = {
-        d: token_windows(tok, load_eval_text(d), window=512, max_tokens=max_eval)
-        for d in ("prose", "code")
-    }
 
     def batches(texts: list[str]) -> list[dict[str, torch.Tensor]]:
         return list(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._util import print_table
+from ._util import accuracy_setup, print_table
 from .results import Record, verdict, write_results
 
 NAME = "linear-accuracy"
@@ -69,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ascend_fa.calibration.data import load_calib_texts
     from ascend_fa.calibration.job import default_recipe_path
-    from ascend_fa.calibration.methods import calibration_split
     from ascend_fa.calibration.pipeline import (
         calibrate_linears,
         calibrate_model,
@@ -79,23 +77,18 @@ def run(args: argparse.Namespace) -> int:
         run_forwards,
     )
     from ascend_fa.calibration.recipe import load_recipe
-    from ascend_fa.evaluation import evaluate, load_eval_text, token_windows
+    from ascend_fa.evaluation import evaluate
     from ascend_fa.linear import LinearConfig
-    from ascend_fa.models import load_model
 
-    n = args.num_samples or (4 if args.quick else 32)
-    length = args.max_length or (64 if args.quick else 512)
-    max_eval = args.max_eval_tokens or (128 if args.quick else None)
-    dtype = _DTYPES[args.dtype]
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, args.gguf_file)
+    setup = accuracy_setup(args)
+    length, dtype = setup.max_length, setup.dtype
+    loaded, t_load, calib, windows = (
+        setup.loaded,
+        setup.load_s,
+        setup.calib,
+        setup.windows,
+    )
     net, tok = loaded.model, loaded.tokenizer
-    t_load = time.perf_counter() - t0
-    calib = calibration_split(load_calib_texts(), n)
-    windows = {
-        d: token_windows(tok, load_eval_text(d), window=512, max_tokens=max_eval)
-        for d in ("prose", "code")
-    }
     recipe = load_recipe(default_recipe_path())
 
     def batches() -> list[dict[str, torch.Tensor]]:

@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ascend_fa.tables import finite_or_none
+
 __all__ = [
     "SCHEMA",
     "Timing",
@@ -220,21 +222,11 @@ def write_results(
         "records": [asdict(r) for r in records],
         "extra": extra or {},
     }
-    text = json.dumps(_finite(doc), indent=2, default=str, allow_nan=False)
+    text = json.dumps(finite_or_none(doc), indent=2, default=str, allow_nan=False)
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(text + "\n", encoding="utf-8")
     return doc
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:

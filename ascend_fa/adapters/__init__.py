@@ -22,19 +22,23 @@ transformers model goes through :mod:`.hf` (attention functions registered in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from torch import nn
 
 from .base import InjectingAdapter, remove_injection
 from .deepseek_v3 import DeepseekV3Adapter
 from .gqa import GQAAdapter
+from .hf import find_fa_modules
 
 __all__ = [
     "DeepseekV3Adapter",
     "GQAAdapter",
     "InjectingAdapter",
     "get_adapter",
+    "injected_points",
     "register_adapter",
     "remove_injection",
     "supported_model_types",
@@ -82,3 +86,24 @@ def get_adapter(model: nn.Module | str) -> GQAAdapter | DeepseekV3Adapter:
             f"{', '.join(supported_model_types())}"
         )
     return factory()
+
+
+@contextlib.contextmanager
+def injected_points(model: nn.Module) -> Iterator[tuple[Any, dict[str, nn.Module]]]:
+    """FA points on every attention module for the duration of the block.
+
+    Yields ``(adapter, {attn name: module})``. A model that already holds FA points
+    keeps them (swap them with :func:`~ascend_fa.adapters.hf.swapped_points`, which
+    restores them); otherwise placeholders are injected here and removed after.
+    """
+    adapter = get_adapter(model)
+    mods = find_fa_modules(model)
+    ours = not mods
+    if ours:
+        adapter.inject_fa3_placeholders("", model, lambda _name: True)
+        mods = find_fa_modules(model)
+    try:
+        yield adapter, mods
+    finally:
+        if ours:
+            adapter.remove_fa3_placeholders(model)

@@ -24,10 +24,11 @@ the owner's ``remove``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
 
 from ascend_fa.adapters.placeholder import FA_BRANCHES
@@ -40,6 +41,7 @@ __all__ = [
     "set_point",
     "delete_points",
     "swapped_points",
+    "run_forwards",
 ]
 
 
@@ -139,3 +141,23 @@ def swapped_points(
     finally:
         for module, branch, point in reversed(saved):
             set_point(module, branch, point)
+
+
+@torch.no_grad()
+def run_forwards(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    progress: Any = None,
+) -> int:
+    """The calibration loop: one forward per batch, no KV cache, only the last
+    position's logits (the FA points see every token; the head is not needed).
+    Returns the number of rows run; ``progress`` (a bar) advances by rows."""
+    rows = 0
+    for batch in batches:
+        model(**batch, use_cache=False, logits_to_keep=1)
+        n = int(next(iter(batch.values())).shape[0])
+        rows += n
+        if progress is not None:
+            progress.update(n)
+    return rows

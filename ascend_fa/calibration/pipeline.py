@@ -8,13 +8,14 @@ verb, the clip search, the method comparison and the calibration benchmark);
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from ascend_fa.adapters.hf import find_fa_modules, swapped_points
+from ascend_fa.adapters import injected_points
+from ascend_fa.adapters.hf import find_fa_modules, run_forwards, swapped_points
 from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
 from .processor import FA3Observer, FA3Processor
@@ -81,26 +82,6 @@ def calibration_batches(
     """``texts`` in batches of ``batch_size``, tokenized by :func:`tokenize_batch`."""
     for i in range(0, len(texts), batch_size):
         yield tokenize_batch(tokenizer, texts[i : i + batch_size], max_length, device)
-
-
-@torch.no_grad()
-def run_forwards(
-    model: nn.Module,
-    batches: Iterable[dict[str, torch.Tensor]],
-    *,
-    progress: Any = None,
-) -> int:
-    """The calibration loop: one forward per batch, no KV cache, only the last
-    position's logits (the FA points see every token; the head is not needed).
-    Returns the number of rows run; ``progress`` (a bar) advances by rows."""
-    rows = 0
-    for batch in batches:
-        model(**batch, use_cache=False, logits_to_keep=1)
-        n = int(next(iter(batch.values())).shape[0])
-        rows += n
-        if progress is not None:
-            progress.update(n)
-    return rows
 
 
 def samples_bound(
@@ -291,26 +272,3 @@ def float_mode(model: nn.Module) -> Iterator[None]:
         ),
     ):
         yield
-
-
-@contextlib.contextmanager
-def injected_points(model: nn.Module) -> Iterator[tuple[Any, dict[str, nn.Module]]]:
-    """FA points on every attention module for the duration of the block.
-
-    Yields ``(adapter, {attn name: module})``. A model that already holds FA points
-    keeps them (swap them with :func:`~ascend_fa.adapters.hf.swapped_points`, which
-    restores them); otherwise placeholders are injected here and removed after.
-    """
-    from ascend_fa.adapters import get_adapter
-
-    adapter = get_adapter(model)
-    mods = find_fa_modules(model)
-    ours = not mods
-    if ours:
-        adapter.inject_fa3_placeholders("", model, lambda _name: True)
-        mods = find_fa_modules(model)
-    try:
-        yield adapter, mods
-    finally:
-        if ours:
-            adapter.remove_fa3_placeholders(model)

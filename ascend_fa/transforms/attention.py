@@ -391,8 +391,8 @@ def _check_supported(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> 
 def _qk_statistics(
     model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
 ) -> dict[str, dict[str, _QKStats]]:
-    from ascend_fa.adapters.hf import swapped_points
-    from ascend_fa.calibration.pipeline import injected_points, run_forwards
+    from ascend_fa.adapters import injected_points
+    from ascend_fa.adapters.hf import run_forwards, swapped_points
 
     with injected_points(model) as (_adapter, mods):
 

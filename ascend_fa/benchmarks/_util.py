@@ -16,6 +16,7 @@ from ascend_fa.tables import print_table
 __all__ = [
     "AccuracySetup",
     "accuracy_setup",
+    "add_accuracy_arguments",
     "time_fn",
     "gbps",
     "peak_rss_bytes",
@@ -70,6 +71,36 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         json.dump(payload, f, indent=2, default=str)
 
 
+#: ``--dtype`` of the accuracy benchmarks' artifacts -> torch dtype name.
+ACCURACY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_accuracy_arguments(parser: Any) -> None:
+    """The options every accuracy benchmark takes (what :func:`accuracy_setup`
+    reads): model, sizes, batch, held-out tokens, artifact dtype."""
+    parser.add_argument("--model", default=None, help="HF directory or .gguf")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
+    parser.add_argument(
+        "--num-samples", type=int, default=0, help="calibration samples (32; quick 4)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=0, help="tokens per sample (512; quick 64)"
+    )
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument(
+        "--max-eval-tokens",
+        type=int,
+        default=0,
+        help="held-out tokens per domain (all; quick 128)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(ACCURACY_DTYPES),
+        default="bf16",
+        help="artifact dtype",
+    )
+
+
 class AccuracySetup(NamedTuple):
     """What the accuracy benchmarks share: sizes, the artifact dtype, the model
     (loaded once, with its load time), the calibration split and the held-out
@@ -99,7 +130,7 @@ def accuracy_setup(args: Any) -> AccuracySetup:
     n = args.num_samples or (4 if args.quick else 32)
     length = args.max_length or (64 if args.quick else 512)
     max_eval = args.max_eval_tokens or (128 if args.quick else None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = getattr(torch, ACCURACY_DTYPES[args.dtype])
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.gguf_file)
     load_s = time.perf_counter() - t0

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ._util import accuracy_setup, print_table
+from ._util import accuracy_setup, add_accuracy_arguments, print_table
 
 NAME = "attention-accuracy"
 HELP = "FAQuant accuracy with folded V rotation / Q-K smoothing, from artifacts"
@@ -57,24 +57,7 @@ GOALS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf")
-    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
-    parser.add_argument(
-        "--num-samples", type=int, default=0, help="calibration samples (32; quick 4)"
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=0, help="tokens per sample (512; quick 64)"
-    )
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument(
-        "--max-eval-tokens",
-        type=int,
-        default=0,
-        help="held-out tokens per domain (all; quick 128)",
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default="bf16", help="artifact dtype"
-    )
+    add_accuracy_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="transform seed")
 
 

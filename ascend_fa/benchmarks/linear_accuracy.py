@@ -31,34 +31,15 @@ from typing import Any
 
 import torch
 
-from ._util import accuracy_setup, print_table
+from ._util import accuracy_setup, add_accuracy_arguments, print_table
 from .results import Record, verdict, write_results
 
 NAME = "linear-accuracy"
 HELP = "W8A8 / W8A8_DYNAMIC linears + FAQuant: ppl, KL, top-1 vs float; RTN baseline"
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf")
-    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --model")
-    parser.add_argument(
-        "--num-samples", type=int, default=0, help="calibration samples (32; quick 4)"
-    )
-    parser.add_argument(
-        "--max-length", type=int, default=0, help="tokens per sample (512; quick 64)"
-    )
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument(
-        "--max-eval-tokens",
-        type=int,
-        default=0,
-        help="held-out tokens per domain (all; quick 128)",
-    )
-    parser.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default="bf16", help="artifact dtype"
-    )
+    add_accuracy_arguments(parser)
     parser.add_argument(
         "--fallback-criterion",
         choices=("layer", "kl"),

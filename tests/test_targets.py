@@ -395,7 +395,7 @@ def test_merge_into_refused_before_the_model_loads(models, data, tmp_path, capsy
     "args,message",
     [
         (("--target", "tensorrt"), "--target 'tensorrt' is not a known target"),
-        (("--target", "vllm", "--dtype", "fp32"), "--dtype 'fp32' is not supported"),
+        (("--target", "vllm", "--dtype", "fp64"), "--dtype 'fp64' is not supported"),
         (
             ("--target", "mindie", "--linear", "none"),
             "--target mindie needs quantized linears",
@@ -446,6 +446,45 @@ def test_check_target_rules():
         artifact.resolve_target("trt")
     assert artifact.resolve_dtype("fp16") is torch.float16
     assert artifact.resolve_dtype("bfloat16") is torch.bfloat16
+    # float32 only where research artifacts are meant (calibrate, benchmarks)
+    assert artifact.resolve_dtype("fp32", research=True) is torch.float32
+    assert artifact.resolve_dtype("float32", research=True) is torch.float32
+    with pytest.raises(ValueError, match="fp32 is a research dtype"):
+        artifact.resolve_dtype("fp32")
+    assert artifact.is_research_dtype(torch.float32)
+    assert not artifact.is_research_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "target,extra",
+    [("vllm-ascend", ()), ("vllm", ()), ("mindie", ("--linear", "w8a8"))],
+)
+def test_fp32_research_artifact(models, data, tmp_path, capsys, target, extra):
+    """``--dtype fp32`` keeps the weights exactly (float32, as calibrated) and the
+    artifact says it is research: the description's metadata, the report, one
+    summary line, and ``inspect --target`` refuses it (exit 1) with the reason."""
+    out = tmp_path / "r"
+    args = ("--target", target, "--dtype", "fp32", *extra)
+    assert run_calibrate(models["llama"], out, data, *args) == 0
+    printed = capsys.readouterr().out
+    assert "float32 weights: a research artifact" in printed, printed
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["torch_dtype"] == "float32"
+    rep = json.loads((out / "calibration_report.json").read_text())
+    assert rep["research_artifact"] is True and rep["dtype"] == "float32"
+    if target != "vllm":
+        desc = json.loads((out / DESCRIPTION_FILE).read_text())
+        assert desc["metadata"][artifact.RESEARCH_METADATA_KEY] == "float32"
+    t = load_file(str(out / WEIGHTS_NAME))
+    src = load_file(str(models["llama"] / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight" if not extra else "lm_head.weight"
+    # bf16 source -> fp32 model -> fp32 artifact: every bit kept
+    assert t[name].dtype == torch.float32
+    assert torch.equal(t[name], src[name].float())
+    rc = main(["inspect", str(out), "--target", target])
+    shown = capsys.readouterr()
+    assert rc == 1, shown
+    assert "a research artifact: calibrate --dtype fp32" in shown.out + shown.err
 
 
 def test_merge_fakquant_into_deepseek_export_for_vllm_ascend(models, data, tmp_path):

@@ -129,8 +129,25 @@ def _common(target: str, v: ArtifactView, out: list[str]) -> None:
     elif target != "vllm" and dt not in ("float16", "bfloat16"):
         out.append(
             f"config.json: torch_dtype {dt!r}; MindIE loads only float16 or bfloat16 "
-            f"({_MINDIE} runner/model_runner.py)"
+            f"({_MINDIE} runner/model_runner.py)" + _research_hint(dt)
         )
+    elif dt == "float32":
+        # vLLM itself loads float32 weights; a float32 artifact of ours is still a
+        # research artifact (calibrate --dtype fp32): the FP8 KV scales and the
+        # folded weights were meant for a bf16/fp16 deployment of the same model.
+        out.append(
+            "config.json: torch_dtype 'float32'" + _research_hint(dt) + "; "
+            "deploy an artifact written with --dtype bf16 or fp16"
+        )
+
+
+def _research_hint(dt: object) -> str:
+    return (
+        " (a research artifact: calibrate --dtype fp32 keeps float32 weights for "
+        "exact evaluation)"
+        if dt == "float32"
+        else ""
+    )
 
 
 def _ascend(target: str, v: ArtifactView, names: list[str], out: list[str]) -> None:

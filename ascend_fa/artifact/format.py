@@ -41,6 +41,8 @@ __all__ = [
     "DEFAULT_TARGET",
     "ASCEND_TARGETS",
     "ARTIFACT_DTYPES",
+    "RESEARCH_DTYPES",
+    "RESEARCH_METADATA_KEY",
     "KV_STRATEGIES",
     "KV_SIDES",
     "C8_TENSOR",
@@ -132,6 +134,13 @@ ASCEND_TARGETS = ("mindie", "vllm-ascend")
 #: examples/atb_models/atb_llm/runner/model_runner.py @8b4871ad: "`torch_dtype` is
 #: only supported for type `float16` and `bfloat16`").
 ARTIFACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``--dtype`` values for research artifacts: float32 weights evaluate folded
+#: transforms and scales without a rounding of the weights, but no Ascend consumer
+#: loads them (the rule above), so ``inspect --target`` reports them as not
+#: deployable (the description's ``metadata`` records the dtype as research).
+RESEARCH_DTYPES = {"fp32": torch.float32}
+#: Key of the description's ``metadata`` dict that marks a research artifact.
+RESEARCH_METADATA_KEY = "ascend_fa_research_dtype"
 #: Quantized-linear types the description may carry (msModelSlim's names).
 LINEAR_QUANT_TYPES = ("W8A8", "W8A8_DYNAMIC")
 #: compressed-tensors ``kv_cache_scheme.strategy`` values vLLM accepts

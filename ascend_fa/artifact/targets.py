@@ -67,6 +67,7 @@ from .format import (
     KV_SIDES,
     KV_STRATEGIES,
     LINEAR_QUANT_TYPES,
+    RESEARCH_DTYPES,
     TARGET_METADATA_KEY,
     TARGETS,
     ScaleMap,
@@ -80,6 +81,7 @@ __all__ = [
     "KVScaleMap",
     "resolve_target",
     "resolve_dtype",
+    "is_research_dtype",
     "check_target",
     "c8_tensors",
     "vllm_kv_tensors",
@@ -105,25 +107,40 @@ def resolve_target(target: str | None) -> str:
     return target
 
 
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype | None, *, research: bool = False
+) -> torch.dtype:
     """``"bf16"``/``"fp16"`` (or ``bfloat16``/``float16``, or the torch dtype) ->
-    the artifact's floating dtype; ``None`` -> bfloat16."""
+    the artifact's floating dtype; ``None`` -> bfloat16. ``research=True`` also
+    accepts ``"fp32"``/``float32`` (:data:`RESEARCH_DTYPES`: exact evaluation,
+    not deployable)."""
     if dtype is None:
         return torch.bfloat16
+    table = {**ARTIFACT_DTYPES, **(RESEARCH_DTYPES if research else {})}
     if isinstance(dtype, torch.dtype):
-        if dtype in ARTIFACT_DTYPES.values():
+        if dtype in table.values():
             return dtype
-    elif dtype in ARTIFACT_DTYPES:
-        return ARTIFACT_DTYPES[dtype]
+    elif dtype in table:
+        return table[dtype]
     else:
-        for t in ARTIFACT_DTYPES.values():
+        for t in table.values():
             if dtype == dtype_name(t):
                 return t
+    research_hint = (
+        "; fp32 is a research dtype (calibrate --dtype fp32)"
+        if not research and dtype in (*RESEARCH_DTYPES, "float32", torch.float32)
+        else ""
+    )
     raise InputError(
         f"--dtype {dtype!r} is not supported; choose one of "
-        f"{', '.join(ARTIFACT_DTYPES)} (MindIE and vllm-ascend load float16 or "
-        "bfloat16 weights only)"
+        f"{', '.join(table)} (MindIE and vllm-ascend load float16 or "
+        f"bfloat16 weights only{research_hint})"
     )
+
+
+def is_research_dtype(dtype: torch.dtype) -> bool:
+    """True for a dtype no consumer loads (:data:`RESEARCH_DTYPES`)."""
+    return dtype in RESEARCH_DTYPES.values()
 
 
 def check_target(

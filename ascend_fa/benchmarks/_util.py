@@ -72,7 +72,7 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
 
 
 #: ``--dtype`` of the accuracy benchmarks' artifacts -> torch dtype name.
-ACCURACY_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+ACCURACY_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def add_accuracy_arguments(parser: Any) -> None:
@@ -97,7 +97,7 @@ def add_accuracy_arguments(parser: Any) -> None:
         "--dtype",
         choices=sorted(ACCURACY_DTYPES),
         default="bf16",
-        help="artifact dtype",
+        help="artifact dtype (fp32: research artifacts, exact evaluation)",
     )
 
 

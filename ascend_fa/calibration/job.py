@@ -137,6 +137,11 @@ class CalibrationResult:
                 f"linears: {counts} (fallback {lin['fallback']}{tail}; "
                 f"{lin['seconds'].get('quantize', 0):.1f} s)"
             )
+        if self.report.get("research_artifact"):
+            lines.append(
+                f"{self.report.get('dtype')} weights: a research artifact for exact "
+                "evaluation, not deployable (ascend-fa inspect --target says why)"
+            )
         lines.append(f"wrote {self.output}")
         return lines
 
@@ -213,7 +218,8 @@ def calibrate(
     artifact.parse_size(max_shard_size)
     check_locations(model, output, merge_into, overwrite=overwrite, force=force)
     target = artifact.resolve_target(target)
-    art_dtype = artifact.resolve_dtype(dtype)
+    art_dtype = artifact.resolve_dtype(dtype, research=True)
+    research = artifact.is_research_dtype(art_dtype)
     if kv_strategy not in artifact.KV_STRATEGIES:
         raise InputError(
             f"--kv-strategy {kv_strategy!r}; choose one of "
@@ -465,6 +471,8 @@ def calibrate(
             "fa_quant_type": fa_quant_type,
             "target": target,
             "deployed": quant_kind,
+            "dtype": artifact.dtype_name(art_dtype),
+            "research_artifact": research,
             "kv_cache_scales": (
                 {
                     a: {k: v.tolist() for k, v in sides.items()}
@@ -546,11 +554,19 @@ def calibrate(
             max_shard_size=max_shard_size,
             overwrite=overwrite,
             force=force,
-            metadata=(
-                transform_result.description_metadata()
-                if transform_result is not None
-                else None
-            ),
+            metadata={
+                **(
+                    transform_result.description_metadata()
+                    if transform_result is not None
+                    else {}
+                ),
+                **(
+                    {artifact.RESEARCH_METADATA_KEY: artifact.dtype_name(art_dtype)}
+                    if research
+                    else {}
+                ),
+            }
+            or None,
         )
     if streamed is not None:
         streamed.close()

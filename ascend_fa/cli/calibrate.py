@@ -101,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="bf16",
-        help="weight dtype of the artifact: bf16 (default) or fp16",
+        help="weight dtype of the artifact: bf16 (default) or fp16; fp32 writes a "
+        "research artifact (exact evaluation, not deployable)",
     )
     parser.add_argument(
         "--kv-strategy",

@@ -108,12 +108,42 @@ def test_refusals(qwen2, tmp_path, capsys):
     assert rc == 2
     assert "--merge-into keeps the export's weights" in _error(capsys)
     ds = save_tiny(tmp_path / "ds", "deepseek_v3")
+    capsys.readouterr()  # the builder's own output
     rc = _calibrate(
         ds, tmp_path / "b", "--transforms", "v-rotation", linear="w8a8_dynamic"
     )
     assert rc == 2
-    assert "deepseek_v3" in _error(capsys)
+    assert "v-rotation has no MLA form" in _error(capsys)
     assert not (tmp_path / "b").exists()
+
+
+def test_deepseek_latent_smoothing_in_the_artifact(tmp_path, capsys):
+    """MLA ``qk-smoothing`` (the latent fold) goes into a FAKQuant artifact: the
+    stored kv_a_layernorm / kv_b_proj differ from the plain run's, everything the
+    fold does not touch is the same, the description says where it went."""
+    ds = save_tiny(tmp_path / "ds", "deepseek_v3")
+    plain, folded = tmp_path / "plain", tmp_path / "folded"
+    for out, extra in ((plain, ()), (folded, ("--transforms", "qk-smoothing"))):
+        rc = _calibrate(ds, out, *extra, linear="w8a8_dynamic")
+        assert rc == 0, capsys.readouterr().err
+    a, b = read_artifact_tensors(plain), read_artifact_tensors(folded)
+    report = json.loads((folded / "calibration_report.json").read_text())
+    layers = report["transforms"]["layers"]
+    smoothed = [
+        f"model.layers.{x['index']}"
+        for x in layers
+        if x.get("qk_smoothing_factor_range")
+    ]
+    assert smoothed, layers
+    for layer in smoothed:
+        key = f"{layer}.self_attn.kv_a_layernorm.weight"
+        assert not torch.equal(a[key], b[key]), key
+    for key in a:
+        if "self_attn" not in key and "mlp" in key and key.endswith("norm.weight"):
+            assert torch.equal(a[key], b[key]), key
+    desc = json.loads((folded / "quant_model_description.json").read_text())
+    where = desc["metadata"]["ascend_fa_transforms"]["qk-smoothing"]
+    assert "kv_a_layernorm" in where and "kv_b_proj" in where
 
 
 def test_bench_attention_accuracy_reads_artifacts_back(qwen2, tmp_path, capsys):

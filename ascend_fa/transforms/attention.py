@@ -37,9 +37,9 @@ decoder layer at a time on the float hidden states reaches the same weights bit
 for bit. The transforms run before the linears are quantized and before the FA
 scales are observed, so both see the folded weights.
 
-MLA (DeepSeek-V3) attention is refused: its latent has no per-head V to rotate
-before the cache and its K side splits into a RoPE and a no-RoPE part; the
-equivalent fold on the latent is not built here.
+MLA (DeepSeek-V3): ``qk-smoothing`` is the latent smoothing of :mod:`.latent`
+(``kv_a_layernorm`` weight times ``s``, ``kv_b_proj`` columns divided by ``s``);
+``v-rotation`` has no MLA form (V is the latent cache itself) and is refused.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from torch import nn
 from ascend_fa.errors import InputError, UnsupportedError
 
 from .hadamard import random_hadamard
+from .latent import LatentStats, fold_latent_smoothing, latent_smoothing_factors
 
 __all__ = [
     "ATTENTION_TRANSFORMS",
@@ -114,7 +115,8 @@ class LayerTransform:
     qk_exponent: float | None = None
     #: β -> attention-probability error of the kept sample
     qk_errors: dict[float, float] = field(default_factory=dict)
-    #: ``s`` ``[G, D/2]`` (G = KV heads, or 1 when folded into q_norm / k_norm)
+    #: ``s`` ``[G, D/2]`` (G = KV heads, or 1 when folded into q_norm / k_norm);
+    #: ``[R]`` for MLA (latent channels)
     qk_factors: torch.Tensor | None = None
 
     def to_report(self) -> dict[str, Any]:
@@ -143,6 +145,8 @@ class TransformResult:
     seed: int
     layers: list[LayerTransform]
     seconds: float = 0.0
+    #: MLA model: ``qk-smoothing`` is the latent smoothing
+    mla: bool = False
 
     def to_report(self) -> dict[str, Any]:
         return {
@@ -160,6 +164,11 @@ class TransformResult:
             "qk-smoothing": "q_proj/k_proj rows and biases, or q_norm/k_norm weights "
             "(per RoPE pair factor, shared by a KV group)",
         }
+        if self.mla:
+            where["qk-smoothing"] = (
+                "kv_a_layernorm weight times s and kv_b_proj columns divided by s "
+                "(per latent channel factor: q_abs / s, latent * s)"
+            )
         return {
             "ascend_fa_transforms": {t: where[t] for t in self.transforms},
             "ascend_fa_transforms_seed": self.seed,
@@ -364,14 +373,30 @@ def smoothing_factors(
     return float(betas[best]), s_all[best], errors
 
 
-def _check_supported(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+def _is_mla(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) == "deepseek_v3"
+
+
+def _check_supported(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], names: Sequence[str]
+) -> None:
     cfg = model.config
-    if getattr(cfg, "model_type", None) == "deepseek_v3" or not modules:
+    if not modules:
         raise UnsupportedError(
             f"attention transforms are built for GQA/MHA decoders (llama, qwen2, "
-            f"qwen3, mistral), not {getattr(cfg, 'model_type', '?')!r} (MLA's latent "
-            "fold is not built)"
+            f"qwen3, mistral) and DeepSeek-V3 MLA, not "
+            f"{getattr(cfg, 'model_type', '?')!r}"
         )
+    if _is_mla(model):
+        if "v-rotation" in names:
+            raise UnsupportedError(
+                "v-rotation has no MLA form: V is the latent cache itself, shared "
+                "by every head and by K (deepseek_v3 takes --transforms "
+                "qk-smoothing, the latent smoothing)"
+            )
+        for _, module in modules:
+            _linear(module, "kv_b_proj")
+        return
     factor = getattr(cfg, "partial_rotary_factor", 1.0) or 1.0
     if float(factor) != 1.0:
         raise UnsupportedError(
@@ -389,8 +414,8 @@ def _check_supported(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> 
 
 @torch.no_grad()
 def _qk_statistics(
-    model: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
-) -> dict[str, dict[str, _QKStats]]:
+    model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], mla: bool = False
+) -> dict[str, dict[str, Any]]:
     from ascend_fa.adapters import injected_points
     from ascend_fa.adapters.hf import run_forwards, swapped_points
 
@@ -399,6 +424,8 @@ def _qk_statistics(
         def make(_attn: str, branch: str, point: nn.Module) -> nn.Module | None:
             if branch == "fa_v":
                 return None
+            if mla:
+                return LatentStats(int(point.num_heads))
             return _QKStats(int(point.num_heads), getattr(point, "head_dim", None))
 
         with swapped_points(mods, make) as placed:
@@ -426,7 +453,10 @@ def apply_attention_transforms(
     t0 = time.perf_counter()
     names = parse_transforms(list(transforms))
     modules = get_adapter(model).attention_modules(model)
-    _check_supported(model, modules)
+    _check_supported(model, modules, names)
+    mla = _is_mla(model)
+    if mla:
+        return _apply_latent(model, modules, batches, names, seed, t0)
     for _, module in modules:
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             _linear(module, proj)
@@ -457,3 +487,34 @@ def apply_attention_transforms(
         if layer.qk_factors is not None:
             fold_qk_smoothing(module, layer.qk_factors)
     return TransformResult(names, seed, layers, time.perf_counter() - t0)
+
+
+def _apply_latent(
+    model: nn.Module,
+    modules: list[tuple[str, nn.Module]],
+    batches: Iterable[dict[str, torch.Tensor]],
+    names: tuple[str, ...],
+    seed: int,
+    t0: float,
+) -> TransformResult:
+    """MLA: the latent smoothing of :mod:`.latent` on every attention module."""
+    layers = [LayerTransform(name, i) for i, (name, _) in enumerate(modules)]
+    stats = _qk_statistics(model, batches, mla=True)
+    for layer, (name, module) in zip(layers, modules, strict=True):
+        st = stats.get(name)
+        if st is None or st["fa_q"].sample is None or st["fa_k"].sample is None:
+            raise InputError(
+                f"qk-smoothing: no calibration token reached {name} (empty "
+                "calibration batches?)"
+            )
+        q, c = st["fa_q"], st["fa_k"]
+        beta, s, errors = latent_smoothing_factors(
+            q.abs_max, c.abs_max, q.sample, c.sample, scaling=float(module.scaling)
+        )
+        layer.qk_exponent, layer.qk_errors = beta, errors
+        layer.qk_factors = s if beta != 0.0 else None
+    # Every decision first, then every fold: a refusal leaves the model untouched.
+    for layer, (_name, module) in zip(layers, modules, strict=True):
+        if layer.qk_factors is not None:
+            fold_latent_smoothing(module, layer.qk_factors)
+    return TransformResult(names, seed, layers, time.perf_counter() - t0, mla=True)

@@ -45,7 +45,6 @@ from ._util import accuracy_setup, add_accuracy_arguments, print_table
 NAME = "attention-accuracy"
 HELP = "FAQuant accuracy with folded V rotation / Q-K smoothing, from artifacts"
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _ALL = "v-rotation,qk-smoothing"
 GOALS = {
     "cosine": ">= 0.999",

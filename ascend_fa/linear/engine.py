@@ -254,7 +254,9 @@ def capture_layer_inputs(
         )
         raise _Stop
 
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    # Prepended: runs before any other pre-hook of the layer (a streamed model's
+    # loader), so capturing reads none of the layer's weights.
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
     out = []
     try:
         for batch in batches:

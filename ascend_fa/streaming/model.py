@@ -60,6 +60,12 @@ class Source:
     names: tuple[str, ...]
 
 
+def _remove_spills(work_dir: Path) -> None:
+    for pattern in ("layer-*.safetensors", "layer-*.tmp"):
+        for path in work_dir.glob(pattern):
+            path.unlink(missing_ok=True)
+
+
 def _is_fa(name: str) -> bool:
     return any(f".{b}." in f".{name}." for b in _FA_BRANCHES)
 
@@ -93,10 +99,11 @@ class StreamedModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.reader = CheckpointReader(self.source_dir)
-        # Spill files go with this object, also when a run fails part way.
-        self._cleanup = weakref.finalize(
-            self, shutil.rmtree, str(self.work_dir), ignore_errors=True
-        )
+        # Spill files go with this object, also when a run fails part way (a
+        # killed run's are removed here); the rest of the work directory (a
+        # resumable run's state) goes only with :meth:`close`.
+        _remove_spills(self.work_dir)
+        self._cleanup = weakref.finalize(self, _remove_spills, self.work_dir)
         config = AutoConfig.from_pretrained(self.source_dir)
         if getattr(config, "quantization_config", None) is not None:
             # FP8 block weights are dequantized as they load: the model is float.
@@ -332,11 +339,12 @@ class StreamedModel:
             self._spill = False
 
     def close(self) -> None:
-        """Remove the hooks and the spill files (the run is over)."""
+        """Remove the hooks and the work directory (the run is over)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self._cleanup()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
 
     # -- memory -------------------------------------------------------------
 

@@ -1,0 +1,206 @@
+"""A streaming calibration reads each layer once and resumes after a kill.
+
+Real tiny checkpoints in several safetensors shards. The layer-major attention
+pass loads every decoder layer exactly once (counted on the
+:class:`~ascend_fa.streaming.StreamedModel`). A run killed after some layers (an
+exception in-process; a real SIGKILL of ``python -m ascend_fa calibrate
+--streaming``) resumes on rerun, says so in one line, and writes the artifact of an
+uninterrupted run, tensor for tensor; a changed argument starts over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_streaming import _assert_same_artifact, _checkpoint, _run
+
+from ascend_fa.calibration.job import default_recipe_path
+from ascend_fa.calibration.pipeline import calibrate_model
+from ascend_fa.calibration.recipe import load_recipe
+from ascend_fa.calibration.resume import RESUME_FILE, ResumeState
+from ascend_fa.streaming import open_streamed
+
+KW = dict(target="vllm-ascend", linear="none", max_shard_size="40KB")
+
+
+def _work(out: Path) -> Path:
+    return out.parent / f".{out.name}.streaming"
+
+
+def test_layer_major_pass_reads_each_layer_once(tmp_path):
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=4)
+    loaded, streamed = open_streamed(src, tmp_path / "work")
+    loads: Counter[int] = Counter()
+    load_layer = streamed.load_layer
+
+    def counting(i: int) -> None:
+        loads[i] += 1
+        load_layer(i)
+
+    streamed.load_layer = counting  # type: ignore[method-assign]
+    texts = [f"sample {i} " * (2 + i) for i in range(6)]
+    recipe = load_recipe(default_recipe_path())
+    for layerwise, reads in ((True, 1), (False, 3)):
+        loads.clear()
+        result = calibrate_model(
+            loaded.model,
+            loaded.tokenizer,
+            texts,
+            recipe=recipe,
+            max_length=24,
+            batch_size=2,
+            progress=False,
+            layerwise=layerwise,
+        )
+        result.remove(loaded.model)
+        streamed.release()
+        # three batches: batch-major reads every layer three times
+        assert loads == dict.fromkeys(range(4), reads), layerwise
+    streamed.close()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_resume_after_an_interrupted_run_gives_the_same_artifact(
+    tmp_path, monkeypatch, capsys
+):
+    """In-process (fast): the run dies after layer 2 of 4; the rerun resumes."""
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=4)
+    whole = _run(src, tmp_path / "whole", tmp_path, streaming=True, **KW)
+    out = tmp_path / "stream"
+    save = ResumeState.save
+
+    def dying(self, layer, model, inputs):
+        save(self, layer, model, inputs)
+        if layer == 1:
+            raise _Killed
+
+    monkeypatch.setattr(ResumeState, "save", dying)
+    with pytest.raises(_Killed):
+        _run(src, out, tmp_path, streaming=True, **KW)
+    monkeypatch.undo()
+    state = json.loads((_work(out) / RESUME_FILE).read_text())
+    assert state["layers_done"] == 2 and not out.exists()
+    capsys.readouterr()
+    _run(src, out, tmp_path, streaming=True, **KW)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"resuming after layer 2 of 4 from {_work(out)}"]
+    _assert_same_artifact(whole.output, out)
+    assert not _work(out).exists()
+
+
+def test_a_changed_argument_starts_over(tmp_path, monkeypatch, capsys):
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=3)
+    out = tmp_path / "stream"
+    save = ResumeState.save
+
+    def dying(self, layer, model, inputs):
+        save(self, layer, model, inputs)
+        raise _Killed
+
+    monkeypatch.setattr(ResumeState, "save", dying)
+    with pytest.raises(_Killed):
+        _run(src, out, tmp_path, streaming=True, **KW)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _run(src, out, tmp_path, streaming=True, seed=1, **KW)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "starting over: the calibration data, arguments changed since the "
+        f"interrupted run in {_work(out)}"
+    ]
+    ref = _run(src, tmp_path / "ref", tmp_path, streaming=True, seed=1, **KW)
+    _assert_same_artifact(ref.output, out)
+
+
+def _cli(src: Path, out: Path, data: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ascend_fa",
+        "calibrate",
+        "--model",
+        str(src),
+        "--output",
+        str(out),
+        "--calib-data",
+        str(data),
+        "--num-samples",
+        "8",
+        "--max-length",
+        "64",
+        "--batch-size",
+        "2",
+        "--heldout",
+        "2",
+        "--target",
+        "vllm-ascend",
+        "--linear",
+        "none",
+        "--max-shard-size",
+        "200KB",
+        "--streaming",
+        "--quiet",
+    ]
+
+
+@pytest.mark.slow
+def test_sigkill_then_rerun_resumes_with_the_identical_artifact(tmp_path):
+    """A real SIGKILL of ``python -m ascend_fa calibrate --streaming`` once the
+    state of layer 2 is on disk; the rerun resumes and matches an uninterrupted
+    run, every tensor."""
+    src = _checkpoint(
+        tmp_path / "src",
+        "llama",
+        num_hidden_layers=16,
+        hidden_size=96,
+        intermediate_size=192,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+    )
+    texts = [f"line {i}: " + "the quick brown fox jumps " * 4 for i in range(12)]
+    data = tmp_path / "calib.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    ref = subprocess.run(
+        _cli(src, tmp_path / "ref", data), env=env, capture_output=True, text=True
+    )
+    assert ref.returncode == 0, ref.stderr
+    out = tmp_path / "out"
+    state = _work(out) / RESUME_FILE
+    proc = subprocess.Popen(
+        _cli(src, out, data), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 300
+    done = 0
+    while proc.poll() is None and time.monotonic() < deadline:
+        if state.is_file():
+            done = json.loads(state.read_text())["layers_done"]
+            if done >= 2:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        time.sleep(0.002)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    assert not out.exists()
+    done = json.loads(state.read_text())["layers_done"]
+    assert 2 <= done < 16
+    rerun = subprocess.run(
+        _cli(src, out, data), env=env, capture_output=True, text=True
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    assert rerun.stderr.splitlines() == [
+        f"resuming after layer {done} of 16 from {_work(out)}"
+    ]
+    _assert_same_artifact(tmp_path / "ref", out)
+    assert not _work(out).exists()

@@ -94,7 +94,7 @@ def test_resume_after_an_interrupted_run_gives_the_same_artifact(
     capsys.readouterr()
     _run(src, out, tmp_path, streaming=True, **KW)
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"resuming after layer 2 of 4 from {_work(out)}"]
+    assert err == [f"resuming after layer 2 of 4 (attention pass) from {_work(out)}"]
     _assert_same_artifact(whole.output, out)
     assert not _work(out).exists()
 
@@ -121,6 +121,49 @@ def test_a_changed_argument_starts_over(tmp_path, monkeypatch, capsys):
     ]
     ref = _run(src, tmp_path / "ref", tmp_path, streaming=True, seed=1, **KW)
     _assert_same_artifact(ref.output, out)
+
+
+W8A8 = dict(target="mindie", linear="w8a8", linear_fallback=2, max_length=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "layer", "line"),
+    [
+        ("save_linears", 1, "resuming after layer 2 of 3 (linear calibration)"),
+        ("save", 0, "resuming after layer 1 of 3 (attention pass)"),
+    ],
+)
+def test_w8a8_resume_in_either_pass(tmp_path, monkeypatch, capsys, method, layer, line):
+    """W8A8 linears (smoothing, clipping, the layer-local fallback; Qwen2 has
+    biases): interrupted in the linear calibration, the rerun puts the finished
+    layers' quantized modules back from the spill files; interrupted in the
+    attention pass, it also restores the linear records. Same artifact, report
+    included (but its timings)."""
+    src = _checkpoint(tmp_path / "src", "qwen2", num_hidden_layers=3)
+    whole = _run(src, tmp_path / "whole", tmp_path, streaming=True, **W8A8)
+    out = tmp_path / "stream"
+    original = getattr(ResumeState, method)
+
+    def dying(self, i, *args):
+        original(self, i, *args)
+        if i == layer:
+            raise _Killed
+
+    monkeypatch.setattr(ResumeState, method, dying)
+    with pytest.raises(_Killed):
+        _run(src, out, tmp_path, streaming=True, **W8A8)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _run(src, out, tmp_path, streaming=True, **W8A8)
+    assert capsys.readouterr().err.splitlines() == [f"{line} from {_work(out)}"]
+    _assert_same_artifact(whole.output, out)
+    ra = json.loads((whole.output / "calibration_report.json").read_text())
+    rb = json.loads((out / "calibration_report.json").read_text())
+    for rep in (ra, rb):
+        rep["linears"].pop("seconds")
+        rep["calibration"].pop("seconds")
+    assert ra["linears"] == rb["linears"] and ra == rb
 
 
 def _cli(src: Path, out: Path, data: Path) -> list[str]:
@@ -200,7 +243,7 @@ def test_sigkill_then_rerun_resumes_with_the_identical_artifact(tmp_path):
     )
     assert rerun.returncode == 0, rerun.stderr
     assert rerun.stderr.splitlines() == [
-        f"resuming after layer {done} of 16 from {_work(out)}"
+        f"resuming after layer {done} of 16 (attention pass) from {_work(out)}"
     ]
     _assert_same_artifact(tmp_path / "ref", out)
     assert not _work(out).exists()

@@ -162,6 +162,14 @@ def _open_resume(
     return state
 
 
+def _resumable(state: Any, streamed: Any, dtype: torch.dtype) -> Any:
+    """``state`` bound to the streamed model: spill files of layers the state
+    does not count as done (an earlier run's) are dropped."""
+    state.streamed, state.dtype = streamed, dtype
+    streamed.drop_spills(state.linear_done)
+    return state
+
+
 def calibrate(
     model: str | Path | None = None,
     *,
@@ -340,6 +348,7 @@ def calibrate(
                 "recipe": [item.model_dump() for item in recipe_obj.processors],
             },
         )
+        resume = _resumable(resume, streamed, art_dtype)
     else:
         loaded = load_model(model, gguf_file, cache=cache)
         net = loaded.model.to(device)
@@ -401,6 +410,7 @@ def calibrate(
                 batch_size=batch_size,
                 device=device,
                 progress=progress,
+                checkpoint=resume,
             )
     kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
     kv = None

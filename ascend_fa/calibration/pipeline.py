@@ -241,11 +241,14 @@ def calibrate_linears(
     batch_size: int = 4,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    checkpoint: Any = None,
 ) -> Any:
     """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
     texts in padded batches for the layer-by-layer calibration, and the first
     ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
-    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`."""
+    data of the fallback. ``checkpoint``: a
+    :class:`~ascend_fa.linear.LinearCheckpoint` (a resumable run). Returns the
+    :class:`~ascend_fa.linear.LinearResult`."""
     from ascend_fa import linear as linear_pkg
 
     def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
@@ -278,6 +281,7 @@ def calibrate_linears(
             scan_batches=scan,
             progress=bar,
             keep_floats=False,
+            checkpoint=checkpoint,
         )
     finally:
         if bar is not None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,12 +57,6 @@ class Source:
 
     kind: str
     names: tuple[str, ...]
-
-
-def _remove_spills(work_dir: Path) -> None:
-    for pattern in ("layer-*.safetensors", "layer-*.tmp"):
-        for path in work_dir.glob(pattern):
-            path.unlink(missing_ok=True)
 
 
 def _is_fa(name: str) -> bool:
@@ -99,11 +92,8 @@ class StreamedModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.reader = CheckpointReader(self.source_dir)
-        # Spill files go with this object, also when a run fails part way (a
-        # killed run's are removed here); the rest of the work directory (a
-        # resumable run's state) goes only with :meth:`close`.
-        _remove_spills(self.work_dir)
-        self._cleanup = weakref.finalize(self, _remove_spills, self.work_dir)
+        # The work directory outlives a failed run (a rerun resumes from it, or
+        # drops what it cannot use: :meth:`drop_spills`); :meth:`close` removes it.
         config = AutoConfig.from_pretrained(self.source_dir)
         if getattr(config, "quantization_config", None) is not None:
             # FP8 block weights are dequantized as they load: the model is float.
@@ -343,8 +333,40 @@ class StreamedModel:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._cleanup()
         shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- resume -------------------------------------------------------------
+
+    def drop_spills(self, keep: int = 0) -> None:
+        """Delete the spill files of layers ``keep`` and above (a rerun keeps
+        those of the layers its resume state says are done)."""
+        for path in self.work_dir.glob("layer-*.tmp"):
+            path.unlink(missing_ok=True)
+        for path in self.work_dir.glob("layer-*.safetensors"):
+            m = re.fullmatch(r"layer-(\d+)\.safetensors", path.name)
+            if m is None or int(m.group(1)) >= keep:
+                path.unlink(missing_ok=True)
+
+    def adopt_spill(self, i: int) -> dict[str, torch.Tensor]:
+        """Take over decoder layer ``i``'s spill file from an earlier run: its
+        tensors are loaded from there from now on. Returns them as meta tensors
+        (names, shapes, dtypes; no data read)."""
+        from ascend_fa.fp8.safetensors_io import LOAD_DTYPE
+        from ascend_fa.safe_files import safetensors_header
+
+        path = self._spill_path(i)
+        if not path.is_file():
+            raise FileFormatError(
+                "the resume state needs this spill file; delete the work "
+                "directory to start over",
+                path=path,
+            )
+        out = {
+            name: torch.empty(e.shape, dtype=LOAD_DTYPE[e.dtype], device="meta")
+            for name, e in safetensors_header(path).items()
+        }
+        self.spilled[i] = set(out)
+        return out
 
     # -- memory -------------------------------------------------------------
 

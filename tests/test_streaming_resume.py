@@ -25,7 +25,12 @@ from test_streaming import _assert_same_artifact, _checkpoint, _run
 from ascend_fa.calibration.job import default_recipe_path
 from ascend_fa.calibration.pipeline import calibrate_model
 from ascend_fa.calibration.recipe import load_recipe
-from ascend_fa.calibration.resume import RESUME_FILE, ResumeState
+from ascend_fa.calibration.resume import (
+    RESUME_FILE,
+    ResumeState,
+    open_resume,
+    run_fingerprint,
+)
 from ascend_fa.streaming import open_streamed
 
 KW = dict(target="vllm-ascend", linear="none", max_shard_size="40KB")
@@ -121,6 +126,29 @@ def test_a_changed_argument_starts_over(tmp_path, monkeypatch, capsys):
     ]
     ref = _run(src, tmp_path / "ref", tmp_path, streaming=True, seed=1, **KW)
     _assert_same_artifact(ref.output, out)
+
+
+def test_fingerprint_names_what_changed(tmp_path, capsys):
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=2)
+    base = run_fingerprint(src, ["a", "b"], {"seed": 0})
+    assert base == run_fingerprint(src, ["a", "b"], {"seed": 0})
+    assert run_fingerprint(src, ["a", "c"], {"seed": 0})["data"] != base["data"]
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (src / "config.json").write_text(json.dumps(cfg))
+    changed = run_fingerprint(src, ["a", "b"], {"seed": 0})
+    assert [k for k in base if base[k] != changed[k]] == ["model"]
+    work = tmp_path / "work"
+    ResumeState(work, base).save_linears(0, [], [], [], None)
+    state, line = open_resume(work, changed, 2)
+    assert (
+        line
+        == f"starting over: the model files changed since the interrupted run in {work}"
+    )
+    assert not (work / RESUME_FILE).exists() and state.linear_done == 0
+    (work / RESUME_FILE).write_text("{not json")
+    state, line = open_resume(work, changed, 2)
+    assert line == f"starting over: unreadable resume state in {work}"
 
 
 W8A8 = dict(target="mindie", linear="w8a8", linear_fallback=2, max_length=16)

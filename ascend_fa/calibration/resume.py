@@ -73,16 +73,23 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+#: Other files up to this size are hashed whole (config, tokenizer); larger ones
+#: (a stray weights file) by their first MiB (their size is in the fingerprint).
+_WHOLE_FILE = 64 << 20
+
+
 def _file_digest(path: Path) -> str:
-    """A safetensors file's header (names, dtypes, shapes, offsets) and size; any
-    other file's content (config, tokenizer: small)."""
+    """A safetensors file's header (names, dtypes, shapes, offsets); any other
+    file's content (its first MiB when over 64 MiB)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         if path.suffix == ".safetensors":
             head = f.read(8)
             h.update(head)
             if len(head) == 8:
-                h.update(f.read(int.from_bytes(head, "little")))
+                h.update(f.read(min(int.from_bytes(head, "little"), 100_000_000)))
+        elif path.stat().st_size > _WHOLE_FILE:
+            h.update(f.read(1 << 20))
         else:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)

@@ -17,6 +17,10 @@ the fly, the rule of ``fp8 dequantize``) and casts to the model dtype, as
 linear calibration changes weights: smoothing folds, quantized modules), an evicted
 layer is written to a spill file in the work directory and loaded from there
 afterwards. FA points (``fa_q``/``fa_k``/``fa_v``: the observers) stay in memory.
+The work directory outlives a failed run: a rerun resumes from it
+(:mod:`ascend_fa.calibration.resume` takes the finished layers' spill files back with
+:meth:`StreamedModel.adopt_spill`) or drops them (:meth:`StreamedModel.drop_spills`);
+:meth:`StreamedModel.close` removes it.
 
 Checkpoint names: a model tensor is read under its own name; fused MoE experts
 (transformers' ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``)

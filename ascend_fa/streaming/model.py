@@ -46,7 +46,7 @@ from torch import nn
 
 from ascend_fa.errors import FileFormatError, InputError, UnsupportedError
 
-__all__ = ["Source", "StreamedModel"]
+__all__ = ["Source", "StreamedModel", "return_freed_memory"]
 
 #: submodule names of FA points (observers): never evicted
 _FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
@@ -61,6 +61,35 @@ class Source:
 
     kind: str
     names: tuple[str, ...]
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``; a
+    no-op elsewhere). Why: an evicted layer's tensors are freed, but glibc keeps
+    freed chunks below its (self-raising) mmap threshold in the heap, so the
+    resident set kept up to ~4 freed layers (measured: 10 layers of 51 MiB, peak
+    increment 406 -> 247 MiB with a trim after each eviction)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def _is_fa(name: str) -> bool:
@@ -305,6 +334,8 @@ class StreamedModel:
             self.spilled[i] = set(changed)
         for key, t in state.items():
             self._set(key, torch.empty_like(t, device="meta"))
+        del state
+        return_freed_memory()
 
     def ensure(self, i: int) -> None:
         """Make decoder layer ``i`` the resident one."""
@@ -484,6 +515,7 @@ class StreamedModel:
                 (floats if ct.types[name] == "FLOAT" else quants)[name] = spec
                 owner[name] = u
                 types[name] = ct.types[name]
+            del ct  # its cast copies go before the next unit loads
         self.release()
         floats = {n: floats[n] for n in self._float_order(tied_copies)}
 
@@ -491,6 +523,7 @@ class StreamedModel:
             u = owner[name]
             if u not in cache:
                 cache.clear()
+                return_freed_memory()
                 cache[u] = unit(u).tensors
             return cache[u][name]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,21 @@ def test_layer_major_pass_reads_each_layer_once(tmp_path):
         # three batches: batch-major reads every layer three times
         assert loads == dict.fromkeys(range(4), reads), layerwise
     streamed.close()
+
+
+def test_progress_lines_per_layer_and_quiet(tmp_path, capsys):
+    """One line per layer of the attention pass (no line with progress off)."""
+    src = _checkpoint(tmp_path / "src", "llama", num_hidden_layers=3)
+    _run(src, tmp_path / "a", tmp_path, streaming=True, progress=True, **KW)
+    err = capsys.readouterr().err.splitlines()
+    pattern = re.compile(
+        r"attention layer (\d)/3: \d+ tok/s, RSS \d+ MiB \(peak \d+ MiB\), "
+        r"\d+:\d\d:\d\d left"
+    )
+    ours = [m[1] for m in map(pattern.fullmatch, err) if m]
+    assert ours == ["1", "2", "3"], err
+    _run(src, tmp_path / "b", tmp_path, streaming=True, **KW)
+    assert not capsys.readouterr().err
 
 
 class _Killed(Exception):

@@ -345,7 +345,7 @@ def calibrate(
                 "seed": seed,
                 "heldout": heldout,
                 "device": str(device),
-                "recipe": [item.model_dump() for item in recipe_obj.processors],
+                "recipe": recipe_obj.model_dump(),
             },
         )
         resume = _resumable(resume, streamed, art_dtype)

@@ -21,7 +21,8 @@ any attention backend (a 4-D mask is backend specific and may be ``None``).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "wrapped_attention_name",
     "original_attention_name",
     "token_masks",
+    "token_mask_scope",
 ]
 
 #: Prefix of the registered attention implementations (``prefix + original``).
@@ -159,6 +161,27 @@ def _clear_mask_hook(ctx: FAContext) -> Callable[..., None]:
         ctx.token_mask = None
 
     return hook
+
+
+@contextmanager
+def token_mask_scope(
+    root_module: nn.Module, mask: torch.Tensor | None
+) -> Iterator[None]:
+    """For the block, the FA points under ``root_module`` (the injection root) see
+    ``mask`` as the forward's padding mask, exactly as the root's pre-hook would
+    stash it from ``attention_mask`` (a 2-D ``[B, T]`` mask, else None). For
+    running a single decoder layer, whose call does not pass through the root."""
+    ctx: FAContext | None = root_module.__dict__.get(_ROOT_CTX)
+    if ctx is None:
+        yield
+        return
+    ctx.token_mask = (
+        mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    )
+    try:
+        yield
+    finally:
+        ctx.token_mask = None
 
 
 class InjectingAdapter(FA3QuantAdapterInterface):

@@ -146,6 +146,35 @@ class CalibrationResult:
         return lines
 
 
+def _open_resume(
+    work: Path,
+    source: Path,
+    texts: list[str],
+    num_layers: int,
+    arguments: dict[str, Any],
+) -> Any:
+    """The resume state of a streaming run in ``work`` (:mod:`.resume`); prints
+    the one line saying it resumes or why an earlier state was discarded."""
+    import sys
+
+    from .resume import open_resume, run_fingerprint
+
+    state, note = open_resume(
+        work, run_fingerprint(source, texts, arguments), num_layers
+    )
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return state
+
+
+def _resumable(state: Any, streamed: Any, dtype: torch.dtype) -> Any:
+    """``state`` bound to the streamed model: spill files of layers the state
+    does not count as done (an earlier run's) are dropped."""
+    state.streamed, state.dtype = streamed, dtype
+    streamed.drop_spills(state.linear_done)
+    return state
+
+
 def calibrate(
     model: str | Path | None = None,
     *,
@@ -292,7 +321,7 @@ def calibrate(
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    streamed = None
+    streamed = resume = None
     if streaming:
         from ascend_fa.streaming import open_streamed
 
@@ -304,6 +333,28 @@ def calibrate(
                 artifact.parse_size(max_memory), len(calib), max_length
             )
         net = loaded.model
+        resume = _open_resume(
+            work,
+            Path(model),  # type: ignore[arg-type]
+            calib + held,
+            len(streamed.layers),
+            {
+                "target": target,
+                "dtype": str(art_dtype),
+                "kv_strategy": kv_strategy,
+                "linear": linear_type,
+                "linear_fallback": linear_fallback,
+                "criterion": linear_fallback_criterion,
+                "num_samples": num_samples,
+                "max_length": max_length,
+                "batch_size": batch_size,
+                "seed": seed,
+                "heldout": heldout,
+                "device": str(device),
+                "recipe": recipe_obj.model_dump(),
+            },
+        )
+        resume = _resumable(resume, streamed, art_dtype)
     else:
         loaded = load_model(model, gguf_file, cache=cache)
         net = loaded.model.to(device)
@@ -365,6 +416,7 @@ def calibrate(
                 batch_size=batch_size,
                 device=device,
                 progress=progress,
+                checkpoint=resume,
             )
     kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
     kv = None
@@ -389,7 +441,16 @@ def calibrate(
 
         result = calibrate_with_search(net, loaded.tokenizer, calib, **kwargs)
     else:
-        result = calibrate_model(net, loaded.tokenizer, calib, **kwargs)
+        # Streaming: layer-major, so each layer is read once for this pass, and
+        # resumable after each layer.
+        result = calibrate_model(
+            net,
+            loaded.tokenizer,
+            calib,
+            layerwise=streaming,
+            checkpoint=resume,
+            **kwargs,
+        )
     seconds["calibrate"] = time.perf_counter() - t0
     scales = result.export_scales(net)
     kv_scales = kv.scales(kv_strategy) if kv is not None else None

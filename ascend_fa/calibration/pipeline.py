@@ -18,6 +18,13 @@ from ascend_fa.adapters import injected_points
 from ascend_fa.adapters.hf import find_fa_modules, run_forwards, swapped_points
 from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
+from .layerwise import (
+    LayerCheckpoint,
+    LayerProgress,
+    decoder_stack,
+    layerwise_supported,
+    run_layerwise,
+)
 from .processor import FA3Observer, FA3Processor
 
 __all__ = [
@@ -154,6 +161,8 @@ def calibrate_model(
     device: torch.device | str = "cpu",
     wrap: PointWrapper | None = None,
     progress: bool = True,
+    layerwise: bool = False,
+    checkpoint: LayerCheckpoint | None = None,
 ) -> CalibratedModel:
     """Inject, observe ``texts``, fake-quantize.
 
@@ -162,6 +171,11 @@ def calibrate_model(
     time and only the last position's logits are computed.
     Call :func:`calibrate_linears` first to calibrate FA scales with quantized
     linears active (the attention then sees what the device sees).
+    ``layerwise`` runs the batches layer-major (:mod:`.layerwise`: the same
+    scales, bit for bit; each decoder layer runs once over all batches, which a
+    streamed model reads once) where the model allows it; ``checkpoint`` (a
+    resumable run, :mod:`.resume`) is restored before the first layer and saved
+    after each. Progress is then one line per layer.
     """
     from ascend_fa.adapters import get_adapter
 
@@ -182,21 +196,25 @@ def calibrate_model(
     for proc in processors:
         proc.config = tighten_max_samples(proc.config, bound)
         proc.process(model)
-    bar = progress_bar(len(texts), "calibrate") if progress else None
+    batches = calibration_batches(
+        tokenizer, texts, max_length=max_length, batch_size=batch_size, device=device
+    )
+    layerwise = layerwise and layerwise_supported(model)
+    bar: Any = None
+    if progress and layerwise:
+        batches = list(batches)
+        stack = decoder_stack(model)
+        tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+        bar = LayerProgress(len(stack) if stack is not None else 0, "attention", tokens)
+    elif progress:
+        bar = progress_bar(len(texts), "calibrate")
     swap = swapped_points(selected, wrap) if wrap else contextlib.nullcontext()
     try:
         with swap:
-            run_forwards(
-                model,
-                calibration_batches(
-                    tokenizer,
-                    texts,
-                    max_length=max_length,
-                    batch_size=batch_size,
-                    device=device,
-                ),
-                progress=bar,
-            )
+            if layerwise:
+                run_layerwise(model, batches, progress=bar, checkpoint=checkpoint)
+            else:
+                run_forwards(model, batches, progress=bar)
     finally:
         if bar is not None:
             bar.close()
@@ -223,11 +241,14 @@ def calibrate_linears(
     batch_size: int = 4,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    checkpoint: Any = None,
 ) -> Any:
     """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
     texts in padded batches for the layer-by-layer calibration, and the first
     ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
-    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`."""
+    data of the fallback. ``checkpoint``: a
+    :class:`~ascend_fa.linear.LinearCheckpoint` (a resumable run). Returns the
+    :class:`~ascend_fa.linear.LinearResult`."""
     from ascend_fa import linear as linear_pkg
 
     def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
@@ -247,15 +268,20 @@ def calibrate_linears(
         else []
     )
     layers = int(model.config.num_hidden_layers)
-    bar = progress_bar(layers, "linears", "layer") if progress else None
+    calib = batches(texts, max_length)
+    bar = None
+    if progress:
+        tokens = sum(int(b["attention_mask"].sum()) for b in calib)
+        bar = LayerProgress(layers, "linears", tokens)
     try:
         return linear_pkg.calibrate_linears(
             model,
-            batches(texts, max_length),
+            calib,
             config,
             scan_batches=scan,
             progress=bar,
             keep_floats=False,
+            checkpoint=checkpoint,
         )
     finally:
         if bar is not None:

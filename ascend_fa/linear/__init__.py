@@ -31,6 +31,7 @@ from .engine import (
     FALLBACK_CRITERIA,
     LINEAR_MODES,
     GroupRecord,
+    LinearCheckpoint,
     LinearConfig,
     LinearResult,
     decide_layer,
@@ -58,6 +59,7 @@ __all__ = [
     "QUANT_TYPES",
     "GroupRecord",
     "LayerPlan",
+    "LinearCheckpoint",
     "LinearConfig",
     "LinearGroup",
     "LinearResult",
@@ -91,6 +93,7 @@ def calibrate_linears(
     scan_batches: Iterable[dict[str, torch.Tensor]] = (),
     progress: Any = None,
     keep_floats: bool = True,
+    checkpoint: LinearCheckpoint | None = None,
 ) -> LinearResult:
     """Rotate ``model``'s residual stream when ``config.rotate`` says so, quantize
     its linears in place on the calibration ``batches`` (layer by layer) and keep
@@ -102,7 +105,8 @@ def calibrate_linears(
     ``progress`` (a bar) advances per layer. ``keep_floats=False`` (criterion
     ``"layer"``) drops the records' module copies as each layer is placed: memory
     then does not grow with depth, and the result can no longer put groups back to
-    float."""
+    float. ``checkpoint`` (criterion ``"layer"``: a resumable run) is restored
+    before the first layer and saved after each one."""
     rotation = None
     if config.rotate:
         # Exact in float (the reference logits below are unchanged by it); makes
@@ -122,6 +126,7 @@ def calibrate_linears(
             scan_batches=scan,
             choose_float=chooser,
             keep_floats=keep_floats,
+            checkpoint=checkpoint,
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ __all__ = [
     "GroupRecord",
     "LINEAR_MODES",
     "LayerInputs",
+    "LinearCheckpoint",
     "LinearConfig",
     "LinearResult",
     "capture_layer_inputs",
@@ -254,7 +255,9 @@ def capture_layer_inputs(
         )
         raise _Stop
 
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    # Prepended: runs before any other pre-hook of the layer (a streamed model's
+    # loader), so capturing reads none of the layer's weights.
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
     out = []
     try:
         for batch in batches:
@@ -428,6 +431,34 @@ FloatChooser = Callable[
 ]
 
 
+class LinearCheckpoint(Protocol):
+    """What a resumable run plugs into :func:`quantize_linears` (the state of the
+    layer-local fallback ``choose_float`` included)."""
+
+    def restore_linears(
+        self,
+        model: nn.Module,
+        plans: list[LayerPlan],
+        inputs: list[LayerInputs],
+        scan: list[LayerInputs],
+        choose_float: FloatChooser | None,
+    ) -> tuple[int, list[GroupRecord]]:
+        """Put back the finished layers (their modules, the fallback's state) and
+        the carried activations; returns (first layer to run, their records)."""
+        ...
+
+    def save_linears(
+        self,
+        layer: int,
+        records: list[GroupRecord],
+        inputs: list[LayerInputs],
+        scan: list[LayerInputs],
+        choose_float: FloatChooser | None,
+    ) -> None:
+        """Persist layer ``layer`` (placed, propagated)."""
+        ...
+
+
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
         out = layer(hidden, **kwargs)
@@ -445,6 +476,7 @@ def quantize_linears(
     scan_batches: Iterable[dict[str, torch.Tensor]] = (),
     choose_float: FloatChooser | None = None,
     keep_floats: bool = True,
+    checkpoint: LinearCheckpoint | None = None,
 ) -> LinearResult:
     """Quantize every planned linear of ``model`` in place, layer by layer (see the
     module doc). ``batches``: tokenized calibration batches (``input_ids``,
@@ -454,6 +486,8 @@ def quantize_linears(
     ``progress`` (a bar) advances per layer. ``keep_floats=False`` drops each
     layer's module sets from its records once the layer is placed (nothing after
     the loop puts a group back to float; memory then does not grow with depth).
+    ``checkpoint`` (a resumable run) is restored before the first layer and saved
+    after each one.
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
@@ -477,7 +511,16 @@ def quantize_linears(
         else []
     )
     records: list[GroupRecord] = []
+    start = 0
+    if checkpoint is not None:
+        start, records = checkpoint.restore_linears(
+            model, plans, inputs, scan, choose_float
+        )
+        if progress is not None and start and hasattr(progress, "restart"):
+            progress.restart(start)
     for plan in plans:
+        if plan.index < start:
+            continue
         layer = layers[plan.index]
         stats = observe_layer(model, plan, layer, inputs, config)
         layer_records = decide_layer(model, plan, stats, config)
@@ -491,6 +534,10 @@ def quantize_linears(
         _propagate(layer, inputs)
         if scan:
             _propagate(layer, scan)
+        if checkpoint is not None:
+            checkpoint.save_linears(
+                plan.index, layer_records, inputs, scan, choose_float
+            )
         if progress is not None:
             progress.update(1)
     return LinearResult(config, records, {"quantize": time.perf_counter() - t0})

@@ -181,6 +181,26 @@ class QuantizedLinear(nn.Module):
         """``codes * weight_scale`` fp32 ``[N, K]`` (the fake-quant weight)."""
         return self.weight.float() * self.weight_scale[:, None]
 
+    #: buffer names, in registration order (``bias`` may be None)
+    BUFFERS: tuple[str, ...] = ()
+
+    @classmethod
+    def from_state(
+        cls, state: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> QuantizedLinear:
+        """The module whose buffers are ``state`` (its own ``state_dict()``, e.g.
+        meta tensors of a spilled layer), nothing recomputed: a resumed run puts
+        back the modules it had placed. ``bias`` absent means no bias."""
+        missing = [n for n in cls.BUFFERS if n != "bias" and n not in state]
+        if missing:
+            raise ValueError(f"{cls.__name__}.from_state: no {missing[0]!r}")
+        out_features, in_features = state["weight"].shape
+        module = cls.__new__(cls)
+        QuantizedLinear.__init__(module, int(in_features), int(out_features), dtype)
+        for name in cls.BUFFERS:
+            module.register_buffer(name, state.get(name))
+        return module
+
 
 class W8A8Linear(QuantizedLinear):
     """W8A8 static: per-tensor asymmetric activations, symmetric per-channel weights.
@@ -193,6 +213,15 @@ class W8A8Linear(QuantizedLinear):
     """
 
     quant_type = "W8A8"
+    BUFFERS = (
+        "weight",
+        "weight_scale",
+        "input_scale",
+        "input_offset",
+        "bias",
+        "deq_scale",
+        "quant_bias",
+    )
 
     def __init__(
         self,
@@ -370,6 +399,7 @@ class W8A8DynamicLinear(QuantizedLinear):
     ``[N]``, ``bias`` fp32 ``[N]`` or None (values representable in ``dtype``)."""
 
     quant_type = "W8A8_DYNAMIC"
+    BUFFERS = ("weight", "weight_scale", "bias")
 
     def __init__(
         self,

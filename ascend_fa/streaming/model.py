@@ -17,6 +17,10 @@ the fly, the rule of ``fp8 dequantize``) and casts to the model dtype, as
 linear calibration changes weights: smoothing folds, quantized modules), an evicted
 layer is written to a spill file in the work directory and loaded from there
 afterwards. FA points (``fa_q``/``fa_k``/``fa_v``: the observers) stay in memory.
+The work directory outlives a failed run: a rerun resumes from it
+(:mod:`ascend_fa.calibration.resume` takes the finished layers' spill files back with
+:meth:`StreamedModel.adopt_spill`) or drops them (:meth:`StreamedModel.drop_spills`);
+:meth:`StreamedModel.close` removes it.
 
 Checkpoint names: a model tensor is read under its own name; fused MoE experts
 (transformers' ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``)
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,7 +46,7 @@ from torch import nn
 
 from ascend_fa.errors import FileFormatError, InputError, UnsupportedError
 
-__all__ = ["Source", "StreamedModel"]
+__all__ = ["Source", "StreamedModel", "return_freed_memory"]
 
 #: submodule names of FA points (observers): never evicted
 _FA_BRANCHES = ("fa_q", "fa_k", "fa_v")
@@ -58,6 +61,35 @@ class Source:
 
     kind: str
     names: tuple[str, ...]
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` (None elsewhere)."""
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _libc_trim()
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``; a
+    no-op elsewhere). Why: an evicted layer's tensors are freed, but glibc keeps
+    freed chunks below its (self-raising) mmap threshold in the heap, so the
+    resident set kept up to ~4 freed layers (measured: 10 layers of 51 MiB, peak
+    increment 406 -> 247 MiB with a trim after each eviction)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def _is_fa(name: str) -> bool:
@@ -93,10 +125,8 @@ class StreamedModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.reader = CheckpointReader(self.source_dir)
-        # Spill files go with this object, also when a run fails part way.
-        self._cleanup = weakref.finalize(
-            self, shutil.rmtree, str(self.work_dir), ignore_errors=True
-        )
+        # The work directory outlives a failed run (a rerun resumes from it, or
+        # drops what it cannot use: :meth:`drop_spills`); :meth:`close` removes it.
         config = AutoConfig.from_pretrained(self.source_dir)
         if getattr(config, "quantization_config", None) is not None:
             # FP8 block weights are dequantized as they load: the model is float.
@@ -304,6 +334,8 @@ class StreamedModel:
             self.spilled[i] = set(changed)
         for key, t in state.items():
             self._set(key, torch.empty_like(t, device="meta"))
+        del state
+        return_freed_memory()
 
     def ensure(self, i: int) -> None:
         """Make decoder layer ``i`` the resident one."""
@@ -332,11 +364,44 @@ class StreamedModel:
             self._spill = False
 
     def close(self) -> None:
-        """Remove the hooks and the spill files (the run is over)."""
+        """Remove the hooks and the work directory (the run is over)."""
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._cleanup()
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- resume -------------------------------------------------------------
+
+    def drop_spills(self, keep: int = 0) -> None:
+        """Delete the spill files of layers ``keep`` and above (a rerun keeps
+        those of the layers its resume state says are done)."""
+        for path in self.work_dir.glob("layer-*.tmp"):
+            path.unlink(missing_ok=True)
+        for path in self.work_dir.glob("layer-*.safetensors"):
+            m = re.fullmatch(r"layer-(\d+)\.safetensors", path.name)
+            if m is None or int(m.group(1)) >= keep:
+                path.unlink(missing_ok=True)
+
+    def adopt_spill(self, i: int) -> dict[str, torch.Tensor]:
+        """Take over decoder layer ``i``'s spill file from an earlier run: its
+        tensors are loaded from there from now on. Returns them as meta tensors
+        (names, shapes, dtypes; no data read)."""
+        from ascend_fa.fp8.safetensors_io import LOAD_DTYPE
+        from ascend_fa.safe_files import safetensors_header
+
+        path = self._spill_path(i)
+        if not path.is_file():
+            raise FileFormatError(
+                "the resume state needs this spill file; delete the work "
+                "directory to start over",
+                path=path,
+            )
+        out = {
+            name: torch.empty(e.shape, dtype=LOAD_DTYPE[e.dtype], device="meta")
+            for name, e in safetensors_header(path).items()
+        }
+        self.spilled[i] = set(out)
+        return out
 
     # -- memory -------------------------------------------------------------
 
@@ -450,6 +515,7 @@ class StreamedModel:
                 (floats if ct.types[name] == "FLOAT" else quants)[name] = spec
                 owner[name] = u
                 types[name] = ct.types[name]
+            del ct  # its cast copies go before the next unit loads
         self.release()
         floats = {n: floats[n] for n in self._float_order(tied_copies)}
 
@@ -457,6 +523,7 @@ class StreamedModel:
             u = owner[name]
             if u not in cache:
                 cache.clear()
+                return_freed_memory()
                 cache[u] = unit(u).tensors
             return cache[u][name]
 

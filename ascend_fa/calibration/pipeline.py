@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ascend_fa import parallel
 from ascend_fa.adapters import injected_points
 from ascend_fa.adapters.hf import find_fa_modules, run_forwards, swapped_points
 from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
+from .distributed import all_reduce_observer, is_distributed
 from .processor import FA3Observer, FA3Processor
 
 __all__ = [
@@ -182,7 +184,11 @@ def calibrate_model(
     for proc in processors:
         proc.config = tighten_max_samples(proc.config, bound)
         proc.process(model)
-    bar = progress_bar(len(texts), "calibrate") if progress else None
+    # A data-parallel rank runs its block of whole batches (the bound above counts
+    # all texts: every rank's observers are configured alike).
+    start, stop = parallel.batch_share(len(texts), batch_size)
+    mine = texts[start:stop]
+    bar = progress_bar(len(mine), "calibrate") if progress else None
     swap = swapped_points(selected, wrap) if wrap else contextlib.nullcontext()
     try:
         with swap:
@@ -190,7 +196,7 @@ def calibrate_model(
                 model,
                 calibration_batches(
                     tokenizer,
-                    texts,
+                    mine,
                     max_length=max_length,
                     batch_size=batch_size,
                     device=device,
@@ -205,6 +211,10 @@ def calibrate_model(
         entry = {}
         for branch, child in module.named_children():
             if isinstance(child, FA3Observer):
+                if is_distributed():
+                    # All ranks' samples before the ranges are read (reduced once;
+                    # postprocess then finds it done).
+                    all_reduce_observer(child.observer)
                 lo, hi = child.observer.range()
                 entry[branch] = (lo.detach().cpu(), hi.detach().cpu())
         ranges[name] = entry
@@ -223,11 +233,18 @@ def calibrate_linears(
     batch_size: int = 4,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    prepare_layer: Callable[[int], None] | None = None,
 ) -> Any:
     """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
     texts in padded batches for the layer-by-layer calibration, and the first
     ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
-    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`."""
+    data of the fallback. Returns the :class:`~ascend_fa.linear.LinearResult`.
+
+    A data-parallel rank runs its block of whole batches (the statistics are
+    reduced per layer) and the whole scan data (every rank then takes the same
+    fallback decisions). ``prepare_layer(i)`` is called before decoder layer ``i``
+    is calibrated (a streamed model loads it: a rank without batches runs none
+    of its forwards)."""
     from ascend_fa import linear as linear_pkg
 
     def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
@@ -247,15 +264,17 @@ def calibrate_linears(
         else []
     )
     layers = int(model.config.num_hidden_layers)
+    start, stop = parallel.batch_share(len(texts), batch_size)
     bar = progress_bar(layers, "linears", "layer") if progress else None
     try:
         return linear_pkg.calibrate_linears(
             model,
-            batches(texts, max_length),
+            batches(texts[start:stop], max_length),
             config,
             scan_batches=scan,
             progress=bar,
             keep_floats=False,
+            prepare_layer=prepare_layer,
         )
     finally:
         if bar is not None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from builders import byte_tokenizer, tiny_causal_lm
+from builders import DEEPSEEK_TINY, byte_tokenizer, tiny_causal_lm
 from safetensors import safe_open
 
 from ascend_fa import parallel
@@ -47,9 +47,12 @@ COMMON = dict(num_samples=6, max_length=24, batch_size=2, heldout=2)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _checkpoint(tmp: Path) -> tuple[Path, Path]:
+def _checkpoint(tmp: Path, model_type: str = "llama") -> tuple[Path, Path]:
     src = tmp / "src"
-    model = tiny_causal_lm("llama", attn=None, **GQA).to(torch.bfloat16)
+    cfg = GQA
+    if model_type == "deepseek_v3":  # MLA, a dense first layer, routed + shared
+        cfg = dict(vocab_size=260, max_position_embeddings=128, **DEEPSEEK_TINY)
+    model = tiny_causal_lm(model_type, attn=None, **cfg).to(torch.bfloat16)
     model.save_pretrained(src, max_shard_size="30KB")
     byte_tokenizer().save_pretrained(src)
     data = tmp / "calib.jsonl"
@@ -88,8 +91,9 @@ def assert_same_artifact(one: Path, many: Path, ranks: int) -> None:
     assert rb["calibration"].pop("ranks") == ranks
     for rep in (ra, rb):
         rep["calibration"].pop("seconds")
-        if rep.get("linears"):
-            rep["linears"].pop("seconds")
+        for part in ("linears", "transforms"):
+            if rep.get(part):
+                rep[part].pop("seconds")
     assert ra == rb
 
 
@@ -212,7 +216,7 @@ def _cli_args(src: Path, data: Path, out: Path, extra: list[str]) -> list[str]:
 
 
 def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
     env.pop("RANK", None)
     return subprocess.run(
@@ -239,6 +243,23 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("extra", "ranks", "samples"),
     [
+        # not split: the scan data, the transforms' and the budget's samples run
+        # whole on every rank (the same decisions without a reduction)
+        (
+            [
+                "--linear-fallback-criterion",
+                "kl",
+                "--linear-fallback",
+                "2",
+                "--error-budget",
+                "0.5",
+                "--transforms",
+                "v-rotation,qk-smoothing",
+            ],
+            2,
+            6,
+        ),
+        (["--target", "vllm-ascend", "--streaming", "--model-type=deepseek_v3"], 2, 6),
         (["--linear", "w8a8"], 2, 6),
         (["--linear", "w8a8", "--streaming"], 2, 6),
         (["--linear", "w8a8", "--streaming", "--linear-fallback", "0"], 3, 4),
@@ -247,6 +268,8 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
         (["--linear", "none", "--target", "vllm", "--kv-strategy", "attn_head"], 2, 6),
     ],
     ids=[
+        "kl-budget-transforms",
+        "deepseek-mla-streaming",
         "w8a8",
         "w8a8-streaming",
         "w8a8-streaming-empty-rank",
@@ -258,9 +281,19 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
 def test_torchrun_equals_one_process(tmp_path, capsys, extra, ranks, samples):
     """``torchrun -m ascend_fa calibrate``: rank 0 prints and writes; the artifact
     equals one process's (3 ranks over 2 batches: one rank runs no batch)."""
-    src, data = _checkpoint(tmp_path)
+    kind = [e for e in extra if e.startswith("--model-type=")]
+    extra = [e for e in extra if e not in kind]
+    src, data = _checkpoint(tmp_path, kind[0].split("=")[1] if kind else "llama")
     extra = [*extra, "--num-samples", str(samples)]
-    assert main(_cli_args(src, data, tmp_path / "one", extra)) == 0
+    # torchrun runs each rank with OMP_NUM_THREADS=1: the reference uses one
+    # intra-op thread too (some CPU float reductions, e.g. the MoE experts', round
+    # differently with another thread count; the split itself changes no bit)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(_cli_args(src, data, tmp_path / "one", extra)) == 0
+    finally:
+        torch.set_num_threads(threads)
     capsys.readouterr()
     run = _torchrun(ranks, _cli_args(src, data, tmp_path / "many", extra))
     assert run.returncode == 0, run.stderr[-3000:]

@@ -16,6 +16,9 @@ state                         reduction
 ============================  ==================================================
 
 Every rank must call with observers in the same order and configuration (checked).
+An observer is reduced once: a second call is a no-op (``reduced_ranks`` records it),
+so the calibration loop may reduce before reading the ranges and
+:meth:`FA3Processor.postprocess` after.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def all_reduce_observer(
     if not is_distributed():
         return observer
     world = dist.get_world_size(group)
-    if world == 1:
+    if world == 1 or observer.reduced_ranks > 1:
         return observer
     metas: list[object] = [None] * world
     dist.all_gather_object(metas, (observer.name, observer.meta()), group=group)
@@ -97,4 +100,5 @@ def all_reduce_observer(
         dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
         observer.lo, observer.hi = lo.to(home), hi.to(home)
     observer.num_samples = counts.to(home)
+    observer.reduced_ranks = world
     return observer

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ascend_fa import parallel
 from ascend_fa.errors import InputError
 
 from .arguments import (
@@ -293,6 +294,13 @@ def calibrate(
         )
     if merge_into is not None:
         artifact.check_merge_export(merge_into, src_config)
+    if clip_search and (parallel.launched() or parallel.is_active()):
+        # The clip search keeps each rank's own calibration rows per head and
+        # scores clips on them: no exact reduction, so no data-parallel run.
+        raise InputError(
+            "--clip-search is not data-parallel (it scores clips on the rows one "
+            "process keeps); run it in one process"
+        )
     if streaming or max_memory is not None:
         check_streaming(
             streaming,
@@ -318,324 +326,356 @@ def calibrate(
     calib, held = split_calibration(texts, num_samples, heldout, seed)
     torch.manual_seed(seed)
     device = get_backend(backend).device
+    # Under torchrun: join the ranks (after the checks above, which every rank
+    # makes alike); each rank calibrates its share, rank 0 writes.
+    with parallel.process_group(device) as device:
+        seconds: dict[str, float] = {}
+        t0 = time.perf_counter()
+        streamed = resume = None
+        if streaming:
+            from ascend_fa.streaming import open_streamed
 
-    seconds: dict[str, float] = {}
-    t0 = time.perf_counter()
-    streamed = resume = None
-    if streaming:
-        from ascend_fa.streaming import open_streamed
-
-        assert output is not None
-        work = Path(output).parent / f".{Path(output).name}.streaming"
-        loaded, streamed = open_streamed(model, work, device=device)
-        if max_memory is not None:
-            streamed.check_memory(
-                artifact.parse_size(max_memory), len(calib), max_length
+            assert output is not None
+            # Each rank spills its own changed layers (a rank's own work dir).
+            me = parallel.rank()
+            tag = f".rank{me}" if me else ""
+            work = Path(output).parent / f".{Path(output).name}.streaming{tag}"
+            loaded, streamed = open_streamed(model, work, device=device)
+            if max_memory is not None:
+                streamed.check_memory(
+                    artifact.parse_size(max_memory), len(calib), max_length
+                )
+            net = loaded.model
+            if parallel.world_size() > 1:
+                # Ranks hold different activations and may stop at different
+                # layers: a data-parallel run keeps no resume state (a rerun
+                # starts over) and drops an earlier run's spills.
+                streamed.drop_spills()
+            else:
+                resume = _open_resume(
+                    work,
+                    Path(model),  # type: ignore[arg-type]
+                    calib + held,
+                    len(streamed.layers),
+                    {
+                        "target": target,
+                        "dtype": str(art_dtype),
+                        "kv_strategy": kv_strategy,
+                        "linear": linear_type,
+                        "linear_fallback": linear_fallback,
+                        "criterion": linear_fallback_criterion,
+                        "num_samples": num_samples,
+                        "max_length": max_length,
+                        "batch_size": batch_size,
+                        "seed": seed,
+                        "heldout": heldout,
+                        "device": str(device),
+                        "recipe": recipe_obj.model_dump(),
+                    },
+                )
+                resume = _resumable(resume, streamed, art_dtype)
+        else:
+            with parallel.rank_zero_first():  # a model cache is written once
+                loaded = load_model(model, gguf_file, cache=cache)
+            net = loaded.model.to(device)
+        seconds["load"] = time.perf_counter() - t0
+        mla = net.config.model_type == "deepseek_v3"
+        artifact.check_target(
+            target,
+            mla=mla,
+            model_quant_type=linear_type,
+            merge=merge_into is not None,
+            model_type=net.config.model_type,
+        )
+        if merge_into is not None:
+            artifact.check_merge_export(merge_into, net.config.to_dict())
+        transform_result = None
+        if transform_names:
+            from ascend_fa.transforms.attention import (
+                STATS_SAMPLES,
+                apply_attention_transforms,
             )
-        net = loaded.model
-        resume = _open_resume(
-            work,
-            Path(model),  # type: ignore[arg-type]
-            calib + held,
-            len(streamed.layers),
-            {
-                "target": target,
-                "dtype": str(art_dtype),
-                "kv_strategy": kv_strategy,
-                "linear": linear_type,
-                "linear_fallback": linear_fallback,
-                "criterion": linear_fallback_criterion,
-                "num_samples": num_samples,
-                "max_length": max_length,
-                "batch_size": batch_size,
-                "seed": seed,
-                "heldout": heldout,
-                "device": str(device),
-                "recipe": recipe_obj.model_dump(),
-            },
-        )
-        resume = _resumable(resume, streamed, art_dtype)
-    else:
-        loaded = load_model(model, gguf_file, cache=cache)
-        net = loaded.model.to(device)
-    seconds["load"] = time.perf_counter() - t0
-    mla = net.config.model_type == "deepseek_v3"
-    artifact.check_target(
-        target,
-        mla=mla,
-        model_quant_type=linear_type,
-        merge=merge_into is not None,
-        model_type=net.config.model_type,
-    )
-    if merge_into is not None:
-        artifact.check_merge_export(merge_into, net.config.to_dict())
-    transform_result = None
-    if transform_names:
-        from ascend_fa.transforms.attention import (
-            STATS_SAMPLES,
-            apply_attention_transforms,
-        )
 
-        # Folded before the linears and the FA scales, so both see the folded
-        # weights; the statistics forward runs on the original float model.
-        transform_result = apply_attention_transforms(
-            net,
-            calibration_batches(
-                loaded.tokenizer,
-                calib[:STATS_SAMPLES],
-                max_length=max_length,
-                batch_size=batch_size,
-                device=device,
-            ),
-            transform_names,
-            seed=seed,
-        )
-        seconds["transforms"] = transform_result.seconds
-    linear_result = None
-    if linear_type != "FLOAT":
-        from ascend_fa.linear import LinearConfig
-
-        from .pipeline import calibrate_linears
-
-        # Linears first, so the FA / KV scales are calibrated with them active;
-        # scales are made representable in the artifact dtype.
-        spill = streamed.spilling() if streamed else contextlib.nullcontext()
-        with spill:
-            linear_result = calibrate_linears(
+            # Folded before the linears and the FA scales, so both see the folded
+            # weights; the statistics forward runs on the original float model.
+            transform_result = apply_attention_transforms(
                 net,
-                loaded.tokenizer,
-                calib,
-                LinearConfig(
-                    linear_type,
-                    art_dtype,
-                    fallback=linear_fallback,
-                    seed=seed,
-                    criterion=linear_fallback_criterion,
-                ),
-                max_length=max_length,
-                batch_size=batch_size,
-                device=device,
-                progress=progress,
-                checkpoint=resume,
-            )
-    kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
-    kv = None
-    if kv_mode is not None:
-        kv = KVCalibration(
-            kv_mode,
-            settings=recipe_settings(recipe_obj),
-            max_tokens=len(calib) * max_length,
-        )
-    t0 = time.perf_counter()
-    kwargs = dict(
-        recipe=recipe_obj,
-        max_length=max_length,
-        batch_size=batch_size,
-        device=device,
-        progress=progress,
-    )
-    if kv is not None:
-        kwargs["wrap"] = kv.wrap
-    if clip_search:
-        from .search import calibrate_with_search
-
-        result = calibrate_with_search(net, loaded.tokenizer, calib, **kwargs)
-    else:
-        # Streaming: layer-major, so each layer is read once for this pass, and
-        # resumable after each layer.
-        result = calibrate_model(
-            net,
-            loaded.tokenizer,
-            calib,
-            layerwise=streaming,
-            checkpoint=resume,
-            **kwargs,
-        )
-    seconds["calibrate"] = time.perf_counter() - t0
-    scales = result.export_scales(net)
-    kv_scales = kv.scales(kv_strategy) if kv is not None else None
-    budget_result = None
-    if budget is not None:
-        if kv is not None:
-            raise InputError(
-                f"--error-budget keeps FAQuant layers float; --target {target} "
-                "writes KV-cache scales for this model: use --target mindie"
-            )
-        from .budget import BUDGET_SAMPLES, fit_error_budget
-
-        budget_result = fit_error_budget(
-            net,
-            list(
                 calibration_batches(
                     loaded.tokenizer,
-                    calib[:BUDGET_SAMPLES],
+                    calib[:STATS_SAMPLES],
                     max_length=max_length,
                     batch_size=batch_size,
                     device=device,
-                )
-            ),
-            budget,
-        )
-        scales = {k: v for k, v in scales.items() if k not in budget_result.kept_float}
-        if not scales:
-            raise InputError(
-                f"--error-budget {budget} keeps every attention layer float "
-                "(nothing left to quantize); raise the budget"
+                ),
+                transform_names,
+                seed=seed,
             )
-    t0 = time.perf_counter()
-    held_stats, per_layer = ({}, {})
-    if held:
-        # The held-out numbers measure what the target deploys: for C8 / FP8 the
-        # FA points run the KV cache round trip (Q float) instead of FAQuant.
-        deployed = (
-            swapped_points(
-                find_fa_modules(net),
-                KVQuantSpec(
-                    kv_mode, kv_scales, art_dtype if kv_mode == "c8" else None
-                ).point,
-            )
-            if kv is not None and kv_mode is not None and kv_scales is not None
-            else contextlib.nullcontext()
-        )
-        if budget_result is not None:
-            from .budget import float_layers
+            seconds["transforms"] = transform_result.seconds
+        linear_result = None
+        if linear_type != "FLOAT":
+            from ascend_fa.linear import LinearConfig
 
-            deployed = float_layers(net, budget_result.kept_float)
-        with deployed:
-            held_stats, per_layer = heldout_report(
+            from .pipeline import calibrate_linears
+
+            # Linears first, so the FA / KV scales are calibrated with them active;
+            # scales are made representable in the artifact dtype.
+            spill = streamed.spilling() if streamed else contextlib.nullcontext()
+            with spill:
+                linear_result = calibrate_linears(
+                    net,
+                    loaded.tokenizer,
+                    calib,
+                    LinearConfig(
+                        linear_type,
+                        art_dtype,
+                        fallback=linear_fallback,
+                        seed=seed,
+                        criterion=linear_fallback_criterion,
+                    ),
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    device=device,
+                    progress=progress,
+                    prepare_layer=streamed.ensure if streamed else None,
+                    checkpoint=resume,
+                )
+        kv_mode = {"vllm-ascend": "c8", "vllm": "fp8"}.get(target) if not mla else None
+        kv = None
+        if kv_mode is not None:
+            kv = KVCalibration(
+                kv_mode,
+                settings=recipe_settings(recipe_obj),
+                max_tokens=len(calib) * max_length,
+            )
+        t0 = time.perf_counter()
+        kwargs = dict(
+            recipe=recipe_obj,
+            max_length=max_length,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
+        if kv is not None:
+            kwargs["wrap"] = kv.wrap
+        if clip_search:
+            from .search import calibrate_with_search
+
+            result = calibrate_with_search(net, loaded.tokenizer, calib, **kwargs)
+        else:
+            # Streaming: layer-major, so each layer is read once for this pass,
+            # and resumable after each layer.
+            result = calibrate_model(
                 net,
                 loaded.tokenizer,
-                held,
-                max_length=max_length,
-                batch_size=batch_size,
-                device=device,
-                progress=progress,
+                calib,
+                layerwise=streaming,
+                checkpoint=resume,
+                **kwargs,
             )
-    seconds["heldout"] = time.perf_counter() - t0
-    result.remove(net)
+        seconds["calibrate"] = time.perf_counter() - t0
+        scales = result.export_scales(net)
+        kv_scales = kv.scales(kv_strategy) if kv is not None else None
+        budget_result = None
+        if budget is not None:
+            if kv is not None:
+                raise InputError(
+                    f"--error-budget keeps FAQuant layers float; --target {target} "
+                    "writes KV-cache scales for this model: use --target mindie"
+                )
+            from .budget import BUDGET_SAMPLES, fit_error_budget
 
-    fa_quant_type = result.adapter.fa_quant_type
-    quant_kind = {"c8": "C8", "fp8": "FP8 KV"}.get(kv_mode or "", fa_quant_type)
-    source = (
-        str(loaded.source_dir / loaded.gguf_file)
-        if loaded.gguf_file
-        else str(loaded.source_dir)
-    )
-    report = build_report(
-        scales=scales,
-        ranges=result.ranges,
-        per_layer=per_layer,
-        heldout=held_stats,
-        header={
-            "model": source,
-            "model_type": net.config.model_type,
-            "fa_quant_type": fa_quant_type,
-            "target": target,
-            "deployed": quant_kind,
-            "dtype": artifact.dtype_name(art_dtype),
-            "research_artifact": research,
-            "kv_cache_scales": (
-                {
-                    a: {k: v.tolist() for k, v in sides.items()}
-                    for a, sides in kv_scales.items()
-                }
-                if kv_scales
-                else None
-            ),
-            **(
-                {"error_budget": budget_result.to_report()}
-                if budget_result is not None
-                else {}
-            ),
-            **(
-                {"transforms": transform_result.to_report()}
-                if transform_result is not None
-                else {}
-            ),
-            **(
-                {"linears": linear_result.to_report()}
-                if linear_result is not None
-                else {}
-            ),
-            "recipe": [p.config.model_dump() for p in result.processors],
-            "calibration": {
-                "num_samples": len(calib),
-                "max_length": max_length,
-                "batch_size": batch_size,
-                "seed": seed,
-                "seconds": round(seconds["calibrate"], 3),
-            },
-        },
-    )
-    fa_written = kv_scales is None
-    extra_files = picture_files(report) if picture_report else {}
-    if merge_into:
-        dest = artifact.merge_into(
-            merge_into,
-            scales=scales if fa_written else None,
-            fa_quant_type=fa_quant_type,
-            output=output,
-            report=report,
-            extra_files=extra_files,
-            overwrite=overwrite,
-            force=force,
-            consumer=target,
-            kv_scales=kv_scales,
-            model_config=net.config.to_dict(),
+            budget_result = fit_error_budget(
+                net,
+                list(
+                    calibration_batches(
+                        loaded.tokenizer,
+                        calib[:BUDGET_SAMPLES],
+                        max_length=max_length,
+                        batch_size=batch_size,
+                        device=device,
+                    )
+                ),
+                budget,
+            )
+            scales = {
+                k: v for k, v in scales.items() if k not in budget_result.kept_float
+            }
+            if not scales:
+                raise InputError(
+                    f"--error-budget {budget} keeps every attention layer float "
+                    "(nothing left to quantize); raise the budget"
+                )
+        t0 = time.perf_counter()
+        held_stats, per_layer = ({}, {})
+        if held and parallel.rank() == 0:  # the report is rank 0's
+            # The held-out numbers measure what the target deploys: for C8 / FP8 the
+            # FA points run the KV cache round trip (Q float) instead of FAQuant.
+            deployed = (
+                swapped_points(
+                    find_fa_modules(net),
+                    KVQuantSpec(
+                        kv_mode, kv_scales, art_dtype if kv_mode == "c8" else None
+                    ).point,
+                )
+                if kv is not None and kv_mode is not None and kv_scales is not None
+                else contextlib.nullcontext()
+            )
+            if budget_result is not None:
+                from .budget import float_layers
+
+                deployed = float_layers(net, budget_result.kept_float)
+            with deployed:
+                held_stats, per_layer = heldout_report(
+                    net,
+                    loaded.tokenizer,
+                    held,
+                    max_length=max_length,
+                    batch_size=batch_size,
+                    device=device,
+                    progress=progress,
+                )
+        seconds["heldout"] = time.perf_counter() - t0
+        result.remove(net)
+
+        fa_quant_type = result.adapter.fa_quant_type
+        quant_kind = {"c8": "C8", "fp8": "FP8 KV"}.get(kv_mode or "", fa_quant_type)
+        source = (
+            str(loaded.source_dir / loaded.gguf_file)
+            if loaded.gguf_file
+            else str(loaded.source_dir)
         )
-    else:
-        assert output is not None
-        config = net.config.to_dict()
-        # A GGUF-loaded config has no architectures; loaders dispatch on it.
-        config["architectures"] = config.get("architectures") or [type(net).__name__]
-        config.pop("_name_or_path", None)
-        tied_copies = target in artifact.ASCEND_TARGETS
-        ckpt = (
-            streamed.checkpoint_tensors(art_dtype, tied_copies=tied_copies)
-            if streamed is not None
-            else artifact.checkpoint_tensors(net, art_dtype, tied_copies=tied_copies)
-        )
-        if mla and not loaded.gguf_file:
-            ckpt = with_carried(ckpt, loaded.source_dir, net.config, art_dtype)
-        dest = artifact.export_artifact(
-            output,
-            state_dict=ckpt.tensors,
-            tensor_types=ckpt.types,
-            scales=scales if fa_written else None,
-            fa_quant_type=fa_quant_type,
-            kv_scales=kv_scales,
-            kv_strategy=kv_strategy,
-            target=target,
-            dtype=art_dtype,
-            config=config,
-            source_dir=None if loaded.gguf_file else loaded.source_dir,
-            tokenizer=loaded.tokenizer,
-            report=report,
-            extra_files=extra_files,
-            max_shard_size=max_shard_size,
-            overwrite=overwrite,
-            force=force,
-            metadata={
+        report = build_report(
+            scales=scales,
+            ranges=result.ranges,
+            per_layer=per_layer,
+            heldout=held_stats,
+            header={
+                "model": source,
+                "model_type": net.config.model_type,
+                "fa_quant_type": fa_quant_type,
+                "target": target,
+                "deployed": quant_kind,
+                "dtype": artifact.dtype_name(art_dtype),
+                "research_artifact": research,
+                "kv_cache_scales": (
+                    {
+                        a: {k: v.tolist() for k, v in sides.items()}
+                        for a, sides in kv_scales.items()
+                    }
+                    if kv_scales
+                    else None
+                ),
                 **(
-                    transform_result.description_metadata()
+                    {"error_budget": budget_result.to_report()}
+                    if budget_result is not None
+                    else {}
+                ),
+                **(
+                    {"transforms": transform_result.to_report()}
                     if transform_result is not None
                     else {}
                 ),
                 **(
-                    {artifact.RESEARCH_METADATA_KEY: artifact.dtype_name(art_dtype)}
-                    if research
+                    {"linears": linear_result.to_report()}
+                    if linear_result is not None
                     else {}
                 ),
-            }
-            or None,
+                "recipe": [p.config.model_dump() for p in result.processors],
+                "calibration": {
+                    "num_samples": len(calib),
+                    "max_length": max_length,
+                    "batch_size": batch_size,
+                    "seed": seed,
+                    "ranks": parallel.world_size(),
+                    "seconds": round(seconds["calibrate"], 3),
+                },
+            },
         )
-    if streamed is not None:
-        streamed.close()
-    return CalibrationResult(
-        output=Path(dest),
-        fa_quant_type=quant_kind,
-        layers=len(report["layers"]),
-        num_samples=len(calib),
-        report=report,
-        seconds=seconds,
-    )
+        if parallel.rank() != 0:
+            # Rank 0 writes the artifact; this rank's share is in its statistics.
+            if streamed is not None:
+                streamed.close()
+            return CalibrationResult(
+                output=Path(output or merge_into or "."),
+                fa_quant_type=quant_kind,
+                layers=len(report["layers"]),
+                num_samples=len(calib),
+                report=report,
+                seconds=seconds,
+            )
+        fa_written = kv_scales is None
+        extra_files = picture_files(report) if picture_report else {}
+        if merge_into:
+            dest = artifact.merge_into(
+                merge_into,
+                scales=scales if fa_written else None,
+                fa_quant_type=fa_quant_type,
+                output=output,
+                report=report,
+                extra_files=extra_files,
+                overwrite=overwrite,
+                force=force,
+                consumer=target,
+                kv_scales=kv_scales,
+                model_config=net.config.to_dict(),
+            )
+        else:
+            assert output is not None
+            config = net.config.to_dict()
+            # A GGUF-loaded config has no architectures; loaders dispatch on it.
+            config["architectures"] = config.get("architectures") or [
+                type(net).__name__
+            ]
+            config.pop("_name_or_path", None)
+            tied_copies = target in artifact.ASCEND_TARGETS
+            ckpt = (
+                streamed.checkpoint_tensors(art_dtype, tied_copies=tied_copies)
+                if streamed is not None
+                else artifact.checkpoint_tensors(
+                    net, art_dtype, tied_copies=tied_copies
+                )
+            )
+            if mla and not loaded.gguf_file:
+                ckpt = with_carried(ckpt, loaded.source_dir, net.config, art_dtype)
+            dest = artifact.export_artifact(
+                output,
+                state_dict=ckpt.tensors,
+                tensor_types=ckpt.types,
+                scales=scales if fa_written else None,
+                fa_quant_type=fa_quant_type,
+                kv_scales=kv_scales,
+                kv_strategy=kv_strategy,
+                target=target,
+                dtype=art_dtype,
+                config=config,
+                source_dir=None if loaded.gguf_file else loaded.source_dir,
+                tokenizer=loaded.tokenizer,
+                report=report,
+                extra_files=extra_files,
+                max_shard_size=max_shard_size,
+                overwrite=overwrite,
+                force=force,
+                metadata={
+                    **(
+                        transform_result.description_metadata()
+                        if transform_result is not None
+                        else {}
+                    ),
+                    **(
+                        {artifact.RESEARCH_METADATA_KEY: artifact.dtype_name(art_dtype)}
+                        if research
+                        else {}
+                    ),
+                }
+                or None,
+            )
+        if streamed is not None:
+            streamed.close()
+        return CalibrationResult(
+            output=Path(dest),
+            fa_quant_type=quant_kind,
+            layers=len(report["layers"]),
+            num_samples=len(calib),
+            report=report,
+            seconds=seconds,
+        )

@@ -42,6 +42,7 @@ from ascend_fa.atb_ops import per_head_qparams
 from ascend_fa.atb_ops.constants import FP8_E4M3_MAX
 from ascend_fa.atb_ops.quant import c8_codes, c8_held_scale
 
+from .distributed import all_reduce_observer, is_distributed
 from .observers import PerHeadObserver
 
 __all__ = [
@@ -138,11 +139,16 @@ class KVCalibration:
 
     def scales(self, strategy: str = "tensor") -> dict[str, dict[str, torch.Tensor]]:
         """``{attn: {"k": scale, "v": scale}}``: C8 ``[Hkv*D]``, FP8 ``[Hkv]``
-        (``strategy="attn_head"``) or ``[1]`` (``"tensor"``)."""
+        (``strategy="attn_head"``) or ``[1]`` (``"tensor"``). In a data-parallel
+        run every observer is first reduced over the ranks (exact: min / max, or
+        the union of the pooled tails), so every rank returns the scales of all
+        ranks' tokens."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         for attn, sides in self.observers.items():
             entry = {}
             for side, obs in sides.items():
+                if is_distributed():
+                    all_reduce_observer(obs)
                 lo, hi = obs.range()
                 if self.mode == "c8":
                     entry[side] = per_head_qparams(lo, hi)[0]

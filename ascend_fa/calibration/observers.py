@@ -100,6 +100,9 @@ class PerHeadObserver:
         head_axis: int = 1,
     ) -> None:
         self.name = name
+        #: ranks whose samples the state holds (set by ``all_reduce_observer``; a
+        #: reduced observer is never reduced again)
+        self.reduced_ranks = 1
         who = self._who()
         if (
             isinstance(num_heads, bool)

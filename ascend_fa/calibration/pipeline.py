@@ -14,10 +14,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ascend_fa import parallel
 from ascend_fa.adapters import injected_points
 from ascend_fa.adapters.hf import find_fa_modules, run_forwards, swapped_points
 from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
+from .distributed import all_reduce_observer, is_distributed
 from .layerwise import (
     LayerCheckpoint,
     LayerProgress,
@@ -196,8 +198,12 @@ def calibrate_model(
     for proc in processors:
         proc.config = tighten_max_samples(proc.config, bound)
         proc.process(model)
+    # A data-parallel rank runs its block of whole batches (the bound above counts
+    # all texts: every rank's observers are configured alike).
+    start, stop = parallel.batch_share(len(texts), batch_size)
+    mine = texts[start:stop]
     batches = calibration_batches(
-        tokenizer, texts, max_length=max_length, batch_size=batch_size, device=device
+        tokenizer, mine, max_length=max_length, batch_size=batch_size, device=device
     )
     layerwise = layerwise and layerwise_supported(model)
     bar: Any = None
@@ -207,7 +213,7 @@ def calibrate_model(
         tokens = sum(int(b["attention_mask"].sum()) for b in batches)
         bar = LayerProgress(len(stack) if stack is not None else 0, "attention", tokens)
     elif progress:
-        bar = progress_bar(len(texts), "calibrate")
+        bar = progress_bar(len(mine), "calibrate")
     swap = swapped_points(selected, wrap) if wrap else contextlib.nullcontext()
     try:
         with swap:
@@ -223,6 +229,10 @@ def calibrate_model(
         entry = {}
         for branch, child in module.named_children():
             if isinstance(child, FA3Observer):
+                if is_distributed():
+                    # All ranks' samples before the ranges are read (reduced once;
+                    # postprocess then finds it done).
+                    all_reduce_observer(child.observer)
                 lo, hi = child.observer.range()
                 entry[branch] = (lo.detach().cpu(), hi.detach().cpu())
         ranges[name] = entry
@@ -242,13 +252,20 @@ def calibrate_linears(
     device: torch.device | str = "cpu",
     progress: bool = True,
     checkpoint: Any = None,
+    prepare_layer: Callable[[int], None] | None = None,
 ) -> Any:
     """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
     texts in padded batches for the layer-by-layer calibration, and the first
     ``config.scan_samples`` texts cut to ``config.scan_tokens`` tokens as the scan
     data of the fallback. ``checkpoint``: a
     :class:`~ascend_fa.linear.LinearCheckpoint` (a resumable run). Returns the
-    :class:`~ascend_fa.linear.LinearResult`."""
+    :class:`~ascend_fa.linear.LinearResult`.
+
+    A data-parallel rank runs its block of whole batches (the statistics are
+    reduced per layer) and the whole scan data (every rank then takes the same
+    fallback decisions). ``prepare_layer(i)`` is called before decoder layer ``i``
+    is calibrated (a streamed model loads it: a rank without batches runs none
+    of its forwards)."""
     from ascend_fa import linear as linear_pkg
 
     def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
@@ -268,7 +285,8 @@ def calibrate_linears(
         else []
     )
     layers = int(model.config.num_hidden_layers)
-    calib = batches(texts, max_length)
+    start, stop = parallel.batch_share(len(texts), batch_size)
+    calib = batches(texts[start:stop], max_length)
     bar = None
     if progress:
         tokens = sum(int(b["attention_mask"].sum()) for b in calib)
@@ -282,6 +300,7 @@ def calibrate_linears(
             progress=bar,
             keep_floats=False,
             checkpoint=checkpoint,
+            prepare_layer=prepare_layer,
         )
     finally:
         if bar is not None:

@@ -170,15 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefix = f"ascend-fa {args.command}"
             return int(args._run(args) or 0)
     except KeyboardInterrupt:
-        print(f"{prefix}: interrupted", file=sys.stderr)
+        _say(prefix, "interrupted", peer_quiet=True)
         return EXIT_SIGINT
     except Terminated:
-        print(f"{prefix}: interrupted", file=sys.stderr)
+        _say(prefix, "interrupted", peer_quiet=True)
         return EXIT_SIGTERM
     except CLIError as exc:
         if verbose:
             raise
-        print(f"{prefix}: error: {exc}", file=sys.stderr)
+        _say(prefix, f"error: {exc}")
         return exc.status
     except (ValueError, OSError, ImportError) as exc:
         # AscendFAError subclasses derive from ValueError / FileNotFoundError /
@@ -186,8 +186,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         # and the file system. Both are the user's to fix: one line, exit 2.
         if verbose:
             raise
-        print(f"{prefix}: error: {_one_line(exc)}", file=sys.stderr)
+        _say(prefix, f"error: {_one_line(exc)}")
         return 2
+    except RuntimeError as exc:
+        # A data-parallel rank whose peer failed: the collective raises (gloo: the
+        # connection closed; or the process group's timeout). One line, exit 1.
+        joined = getattr(sys.modules.get("ascend_fa.parallel"), "joined", None)
+        if verbose or not (joined and joined()):
+            raise
+        _say(prefix, f"error: {_one_line(exc)}")
+        return 1
+
+
+def _say(prefix: str, text: str, *, peer_quiet: bool = False) -> None:
+    """Print ``prefix: text`` as one line on stderr. A data-parallel rank other
+    than 0 (``RANK`` of a torchrun launch) tags the line with its rank, and says
+    nothing when every rank says the same: an input error found before the
+    process group exists (rank 0 says it), or ``peer_quiet`` (the launcher
+    stopping the peers of a failed rank)."""
+    import os
+
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if rank in ("", "0") or world in ("", "1"):
+        print(f"{prefix}: {text}", file=sys.stderr)
+        return
+    joined = getattr(sys.modules.get("ascend_fa.parallel"), "joined", None)
+    if peer_quiet or not (joined and joined()):
+        return
+    print(f"{prefix} [rank {rank}/{world}]: {text}", file=sys.stderr)
 
 
 #: top-level module -> the extra that provides it

@@ -202,6 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.job import calibrate, streaming_plan
+    from ascend_fa.parallel import launch_rank
     from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
     from ascend_fa.tables import strict_json
 
@@ -258,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         transforms=args.transforms,
         error_budget=args.error_budget,
     )
+    if launch_rank() != 0:
+        return 0  # a data-parallel rank other than 0: rank 0 reports and writes
     for line in result.summary_lines():
         print(line)
     if args.json:

@@ -19,7 +19,7 @@ module              holds
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ def calibrate_linears(
     progress: Any = None,
     keep_floats: bool = True,
     checkpoint: LinearCheckpoint | None = None,
+    prepare_layer: Callable[[int], None] | None = None,
 ) -> LinearResult:
     """Rotate ``model``'s residual stream when ``config.rotate`` says so, quantize
     its linears in place on the calibration ``batches`` (layer by layer) and keep
@@ -106,7 +107,11 @@ def calibrate_linears(
     ``"layer"``) drops the records' module copies as each layer is placed: memory
     then does not grow with depth, and the result can no longer put groups back to
     float. ``checkpoint`` (criterion ``"layer"``: a resumable run) is restored
-    before the first layer and saved after each one."""
+    before the first layer and saved after each one. ``prepare_layer(i)`` runs
+    before decoder layer ``i`` is calibrated (a streamed model loads it there). In
+    a data-parallel run (:mod:`ascend_fa.parallel`) ``batches`` are this rank's
+    share; the statistics are reduced per layer (:mod:`.parallel`) and
+    ``scan_batches`` must be the same on every rank."""
     rotation = None
     if config.rotate:
         # Exact in float (the reference logits below are unchanged by it); makes
@@ -127,13 +132,16 @@ def calibrate_linears(
             choose_float=chooser,
             keep_floats=keep_floats,
             checkpoint=checkpoint,
+            prepare_layer=prepare_layer,
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)
         result.rotation = rotation
         return result
     reference = reference_logits(model, scan) if scan else []
-    result = quantize_linears(model, batches, config, progress=progress)
+    result = quantize_linears(
+        model, batches, config, progress=progress, prepare_layer=prepare_layer
+    )
     result.rotation = rotation
     if scan:
         apply_fallback(model, result, scan, reference)

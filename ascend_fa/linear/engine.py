@@ -34,9 +34,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
 
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan
 from .search import GroupDecision, InputStats, decide_group
 
@@ -340,10 +342,18 @@ def observe_layer(
     config: LinearConfig,
     *,
     reduce: Callable[[dict[str, InputStats]], None] | None = None,
+    sync: StatsSync | None = None,
 ) -> dict[str, InputStats]:
     """Step 1 of one layer: run ``layer`` (float linears) on every batch of
     ``inputs`` and record each group's input (real tokens only). ``reduce`` (a
-    data-parallel run) makes every rank's statistics those of all ranks' data."""
+    data-parallel run) makes every rank's statistics those of all ranks' data;
+    ``sync`` does it exactly for this rank's share of the batches: a counting
+    forward first (how many rows each update of each group gets, so every rank
+    draws its random picks where one process would), then the observing forward,
+    then the union of all ranks' statistics in global batch order."""
+    inputs = list(inputs)
+    # counted before the observing hooks exist (they would see this forward)
+    counts = _count_rows(model, plan, layer, inputs) if sync is not None else {}
     stats: dict[str, InputStats] = {}
     current: dict[str, torch.Tensor] = {}
     handles = []
@@ -363,6 +373,8 @@ def observe_layer(
             st.update(real_rows(args[0], current["mask"]))
 
         handles.append(first.register_forward_pre_hook(hook))
+    if sync is not None:
+        sync.before(stats, counts)
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
@@ -370,9 +382,38 @@ def observe_layer(
     finally:
         for h in handles:
             h.remove()
+    if sync is not None:
+        sync.after(stats)
     if reduce is not None:
         reduce(stats)
     return stats
+
+
+def _count_rows(
+    model: nn.Module, plan: LayerPlan, layer: nn.Module, inputs: list[LayerInputs]
+) -> dict[str, list[int]]:
+    """Per group, the real-token rows of each update :func:`observe_layer` makes
+    on ``inputs`` (one forward of ``layer``, nothing recorded)."""
+    counts: dict[str, list[int]] = {g.name: [] for g in plan.groups}
+    current: dict[str, torch.Tensor] = {}
+    handles = []
+    for group in plan.groups:
+        first = model.get_submodule(group.linears[0])
+
+        def hook(
+            _m: nn.Module, args: tuple, rows: list[int] = counts[group.name]
+        ) -> None:
+            rows.append(int(real_rows(args[0], current["mask"]).shape[0]))
+
+        handles.append(first.register_forward_pre_hook(hook))
+    try:
+        for hidden, kwargs, mask in inputs:
+            current["mask"] = mask
+            layer(hidden, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
 
 
 @torch.no_grad()
@@ -477,6 +518,7 @@ def quantize_linears(
     choose_float: FloatChooser | None = None,
     keep_floats: bool = True,
     checkpoint: LinearCheckpoint | None = None,
+    prepare_layer: Callable[[int], None] | None = None,
 ) -> LinearResult:
     """Quantize every planned linear of ``model`` in place, layer by layer (see the
     module doc). ``batches``: tokenized calibration batches (``input_ids``,
@@ -488,6 +530,9 @@ def quantize_linears(
     the loop puts a group back to float; memory then does not grow with depth).
     ``checkpoint`` (a resumable run) is restored before the first layer and saved
     after each one.
+    ``prepare_layer(i)`` runs before decoder layer ``i`` is calibrated. In a
+    data-parallel run ``batches`` are this rank's share (possibly none) and each
+    layer's statistics are reduced exactly (:class:`~.parallel.StatsSync`).
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
@@ -502,9 +547,10 @@ def quantize_linears(
         raise InputError(f"{done[0]} is already quantized; start from the float model")
     layers = _decoder_layers(model)
     batches = list(batches)
-    if not batches:
+    sync = StatsSync() if parallel.is_active() else None
+    if not batches and sync is None:
         raise InputError("no calibration batches for the linear calibration")
-    inputs = capture_layer_inputs(model, layers[0], batches)
+    inputs = capture_layer_inputs(model, layers[0], batches) if batches else []
     scan = (
         capture_layer_inputs(model, layers[0], scan_batches)
         if choose_float is not None
@@ -522,7 +568,9 @@ def quantize_linears(
         if plan.index < start:
             continue
         layer = layers[plan.index]
-        stats = observe_layer(model, plan, layer, inputs, config)
+        if prepare_layer is not None:
+            prepare_layer(plan.index)
+        stats = observe_layer(model, plan, layer, inputs, config, sync=sync)
         layer_records = decide_layer(model, plan, stats, config)
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)

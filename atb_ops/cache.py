@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, ROUND_MAGIC, c0
+from .native import MAX_ROW_BYTES, native_kernels
 from .quant import c8_codes, fp8_codes
 
 __all__ = [
@@ -722,6 +723,8 @@ def _write_all(
     """Write each ``(cache, x [T, H, D], scale)`` of one call. The caches share NB
     and BS (validated), so the slots are analysed once: padding filtered, and one
     plan (token- or block-granular) serves every cache."""
+    if _write_native(writes, slot_mapping, layout):
+        return
     slots, keep = _valid(slot_mapping)
     if slots.numel() == 0:
         return
@@ -736,6 +739,42 @@ def _write_all(
             _scatter_tokens(cache, rows, slots, layout)
         else:
             _scatter_blocks(cache, rows, layout, plan)
+
+
+def _write_native(
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    slot_mapping: torch.Tensor,
+    layout: str,
+) -> bool:
+    """The CPU fast path (:mod:`.native`): one pass per token that quantizes (int8
+    per head) or copies (float) its row straight into its slot; same bytes as the
+    eager path. Returns False, having written nothing, when it does not apply: not
+    on CPU, kernels disabled or unbuilt, or a C8 / FP8 scale (eager only)."""
+    if slot_mapping.device.type != "cpu":
+        return False
+    for cache, x, scale in writes:
+        kind = kv_scale_kind(scale, cache.dtype)
+        if kind not in ("none", "head"):
+            return False
+        # the kernel stages one token's int8 codes on its stack
+        if kind == "head" and x.shape[1] * x.shape[2] > MAX_ROW_BYTES:
+            return False
+    kernels = native_kernels()
+    if kernels is None:
+        return False
+    slots = slot_mapping.contiguous()
+    for cache, x, scale in writes:
+        x = x.contiguous()
+        bs = cache.shape[2] if layout == "nz" else cache.shape[1]
+        # NZ: the kernel copies each token's C0-column fractal rows (32 bytes for
+        # 1- and 2-byte dtypes, 64 for fp32); ND (0): the whole row
+        run = cache.shape[3] * cache.element_size() if layout == "nz" else 0
+        if scale is None:
+            kernels.copy_write(x, slots, cache, bs, run)
+        else:
+            s = scale.to(torch.float32).contiguous()
+            kernels.quant_write(x, s, slots, cache, bs, run)
+    return True
 
 
 @torch.library.custom_op(

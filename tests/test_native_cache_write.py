@@ -211,3 +211,22 @@ def test_disabled_and_failed_builds_fall_back(tmp_path):
     with pytest.raises(RuntimeError, match="failed"):
         build_library(tmp_path, cc="false")
     assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
+
+
+def test_direct_op_call_with_bad_arguments_never_runs_the_kernel(kernels):
+    """The op itself does not validate (the public wrappers do); the native path
+    declines a slot beyond the cache (the eager path then raises) and rows that do
+    not match the cache's slots, so the kernel never writes outside the cache."""
+    key = torch.randn(3, 1, 32).half()
+    kc = torch.zeros(1, 32, 1, 32, dtype=torch.int8)
+    vc = kc.clone()
+    s = torch.tensor([0.02])
+    op = torch.ops.ascend_fa.reshape_and_cache.default
+    with pytest.raises((IndexError, RuntimeError)):
+        op(key, key, kc, vc, torch.tensor([0, 1, 32]), s, s, "nd")
+    from ascend_fa.atb_ops.cache import _native_fits
+
+    assert _native_fits(kc, key, s, "nd")
+    assert not _native_fits(kc, torch.randn(3, 2, 32).half(), s.repeat(2), "nd")
+    assert not _native_fits(kc, key.float(), None, "nd")  # float copy, wrong dtype
+    assert not _native_fits(kc.view(1, 1, 32, 32), key, s, "nd")  # 1024-wide slots

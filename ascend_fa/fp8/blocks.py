@@ -221,6 +221,10 @@ def _dequantize_native(
         or not (codes.is_contiguous() and out.is_contiguous())
         or scale_inv.dtype != torch.float32
         or tuple(scale_inv.shape) != (nbr, nbc)
+        or tuple(out.shape) != (r, n)
+        or out.dtype not in (torch.bfloat16, torch.float16)
+        or out.device.type != "cpu"
+        or scale_inv.device.type != "cpu"
     ):
         return False
     bad = kernels.fp8_dequantize(

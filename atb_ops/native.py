@@ -82,8 +82,15 @@ MAX_ROW_BYTES = 65536
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 _SOURCE = r"""
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
+
+/* Every float operation below must round to fp32 on its own (no x87 excess
+   precision): a build where it would not fails here, and the eager path runs. */
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "native kernels need FLT_EVAL_METHOD == 0 (fp32 arithmetic in fp32)"
+#endif
 
 #define ROW_MAX @ROW_MAX@
 #define ROUND_MAGIC @ROUND_MAGIC@f
@@ -387,9 +394,17 @@ void afa_quantize(const void *src, int dtype, int64_t n, float s, int8_t *out) {
 }
 """
 
-#: Optimisation only; no flag that relaxes IEEE semantics (no -ffast-math): the
-#: division and the rounding must be the exact IEEE operations.
-_CFLAGS = ("-O3", "-fPIC", "-shared", "-fno-fast-math", "-std=gnu99")
+#: Optimisation only; no flag that relaxes IEEE semantics (no -ffast-math), and no
+#: contraction of a product and a sum into one FMA: the division, the products and
+#: the rounding must be the exact IEEE operations the eager path performs.
+_CFLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+    "-std=gnu99",
+)
 
 
 def _source() -> str:

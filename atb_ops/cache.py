@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, ROUND_MAGIC, c0
+from .native import MAX_ROW_BYTES, native_kernels
 from .quant import c8_codes, fp8_codes
 
 __all__ = [
@@ -722,6 +723,8 @@ def _write_all(
     """Write each ``(cache, x [T, H, D], scale)`` of one call. The caches share NB
     and BS (validated), so the slots are analysed once: padding filtered, and one
     plan (token- or block-granular) serves every cache."""
+    if _write_native(writes, slot_mapping, layout):
+        return
     slots, keep = _valid(slot_mapping)
     if slots.numel() == 0:
         return
@@ -736,6 +739,84 @@ def _write_all(
             _scatter_tokens(cache, rows, slots, layout)
         else:
             _scatter_blocks(cache, rows, layout, plan)
+
+
+def _row_width(cache: torch.Tensor, layout: str) -> int:
+    """Elements one slot holds in a 4-D ``cache`` of ``layout``."""
+    return cache.shape[1] * cache.shape[3] if layout == "nz" else cache[0, 0].numel()
+
+
+def _native_fits(
+    cache: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, layout: str
+) -> bool:
+    """Whether the native kernel may write ``x`` ``[T, H, D]`` into ``cache``: a
+    contiguous 4-D CPU cache whose slots are as wide as a token row, of the input's
+    dtype (copy) or int8 with an fp32 ``[H]`` scale (quantize)."""
+    if cache.dim() != 4 or x.dim() != 3 or not cache.is_contiguous():
+        return False
+    if cache.device.type != "cpu" or x.device.type != "cpu":
+        return False
+    if _row_width(cache, layout) != x.shape[1] * x.shape[2]:
+        return False
+    if layout == "nz" and cache.shape[3] != c0(cache.dtype):
+        return False
+    if scale is None:
+        return x.dtype == cache.dtype
+    return (
+        cache.dtype == torch.int8
+        and x.dtype in FLOAT_DTYPES
+        and scale.device.type == "cpu"
+        and tuple(scale.shape) == (x.shape[1],)
+    )
+
+
+def _write_native(
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    slot_mapping: torch.Tensor,
+    layout: str,
+) -> bool:
+    """The CPU fast path (:mod:`.native`): one pass per token that quantizes (int8
+    per head) or copies (float) its row straight into its slot; same bytes as the
+    eager path. Returns False, having written nothing, when it does not apply: not
+    on CPU, kernels disabled or unbuilt, a C8 / FP8 scale (eager only), or
+    arguments the public wrappers' validation would refuse (the op can be called
+    directly; the kernel addresses raw memory, so it only runs on a write whose
+    every byte lands inside the caches, and the eager path raises otherwise)."""
+    if slot_mapping.device.type != "cpu" or slot_mapping.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        return False
+    for cache, x, scale in writes:
+        kind = kv_scale_kind(scale, cache.dtype)
+        if kind not in ("none", "head") or not _native_fits(cache, x, scale, layout):
+            return False
+        # the kernel stages one token's int8 codes on its stack
+        if kind == "head" and x.shape[1] * x.shape[2] > MAX_ROW_BYTES:
+            return False
+    t = writes[0][1].shape[0]
+    if tuple(slot_mapping.shape) != (t,) or any(x.shape[0] != t for _, x, _ in writes):
+        return False
+    if t:
+        top = int(slot_mapping.max())
+        if any(top >= c.numel() // _row_width(c, layout) for c, _, _ in writes):
+            return False
+    kernels = native_kernels()
+    if kernels is None:
+        return False
+    slots = slot_mapping.contiguous()
+    for cache, x, scale in writes:
+        x = x.contiguous()
+        bs = cache.shape[2] if layout == "nz" else cache.shape[1]
+        # NZ: the kernel copies each token's C0-column fractal rows (32 bytes for
+        # 1- and 2-byte dtypes, 64 for fp32); ND (0): the whole row
+        run = cache.shape[3] * cache.element_size() if layout == "nz" else 0
+        if scale is None:
+            kernels.copy_write(x, slots, cache, bs, run)
+        else:
+            s = scale.to(torch.float32).contiguous()
+            kernels.quant_write(x, s, slots, cache, bs, run)
+    return True
 
 
 @torch.library.custom_op(

@@ -55,14 +55,17 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize()
 
 
-def _timer(device: torch.device):
-    """A function timing one call of ``fn`` on ``device``, in seconds."""
+def _timer(device: torch.device, clock: str = "wall"):
+    """A function timing one call of ``fn`` on ``device``, in seconds. On CPU,
+    ``clock="cpu"`` counts the process's CPU time (all its threads) instead of wall
+    time: on a shared machine that is what a code change moves, not the load."""
     if device.type == "cpu":
+        now = time.process_time if clock == "cpu" else time.perf_counter
 
         def host(fn: Callable[[], Any]) -> float:
-            start = time.perf_counter()
+            start = now()
             fn()
-            return time.perf_counter() - start
+            return now() - start
 
         return host
     module = getattr(torch, device.type)
@@ -105,15 +108,22 @@ def time_pair(
     *,
     repeats: int = 5,
     warmup: int = 1,
+    clock: str = "wall",
 ) -> tuple[float, float]:
     """Median seconds of ``baseline()`` and ``fn()``, measured alternately so both
     see the same machine (a ratio of two runs taken minutes apart on a shared host
-    measures the load, not the code)."""
+    measures the load, not the code). ``clock``: ``wall`` or (CPU only) ``cpu``."""
+    if clock not in ("wall", "cpu"):
+        raise UnsupportedError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+    if clock == "cpu" and device.type != "cpu":
+        raise UnsupportedError(
+            f"--clock cpu measures host CPU time; use the wall clock on {device.type}"
+        )
     for _ in range(warmup):
         baseline()
         fn()
     _sync(device)
-    timer = _timer(device)
+    timer = _timer(device, clock)
     base, other = [], []
     for _ in range(repeats):
         gc.collect()

@@ -20,6 +20,7 @@ conversion driver computes straight into its write buffers.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ..atb_ops.constants import FP8_BLOCK, FP8_E4M3_MAX
+from ..atb_ops.native import native_kernels
 from .errors import FP8FormatError, FP8InputError
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "chunk_rows",
     "dequantize_blockwise",
     "dequantize_chunk",
+    "e4m3_values",
     "quantize_blockwise",
     "quantize_chunk",
     "scale_shape",
@@ -183,6 +186,65 @@ def quantize_chunk(
     return scale_inv
 
 
+def _e4m3_half_bits(codes_i8: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes as fp16 bits of ``value / 2**8`` (see :func:`dequantize_chunk`)."""
+    # code (sign-extended) * 2**7: bit 15 = sign, bit 14 = sign too, 13..7 = code
+    torch.mul(codes_i8, _TIMES_128, out=out)
+    return out.bitwise_and_(-16385)  # clear bit 14 (~0x4000 as int16)
+
+
+@functools.cache
+def e4m3_values() -> torch.Tensor:
+    """The fp32 value of each of the 256 float8_e4m3fn codes ``[256]`` (NaN at
+    0x7F and 0xFF, the format's only NaNs; it has no infinities), decoded by the
+    exact bit move of :func:`dequantize_chunk`, not by torch's cast."""
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.int8)
+    half = _e4m3_half_bits(codes, torch.empty(256, dtype=torch.int16))
+    values = half.view(torch.float16).float() * 256.0
+    values[(codes.view(torch.uint8) & 0x7F) == 0x7F] = float("nan")
+    return values
+
+
+def _dequantize_native(
+    codes: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    out: torch.Tensor,
+) -> bool:
+    """The one-pass native kernel (:mod:`ascend_fa.atb_ops.native`) when it
+    applies; False (nothing written) when it does not."""
+    kernels = native_kernels() if codes.device.type == "cpu" else None
+    r, n = codes.shape
+    nbr, nbc = -(-r // block[0]), -(-n // block[1])
+    if (
+        kernels is None
+        or not (codes.is_contiguous() and out.is_contiguous())
+        or scale_inv.dtype != torch.float32
+        or tuple(scale_inv.shape) != (nbr, nbc)
+        or tuple(out.shape) != (r, n)
+        or out.dtype not in (torch.bfloat16, torch.float16)
+        or out.device.type != "cpu"
+        or scale_inv.device.type != "cpu"
+    ):
+        return False
+    bad = kernels.fp8_dequantize(
+        codes, scale_inv.contiguous(), block, e4m3_values(), out
+    )
+    if bad is None:
+        return True
+    what, pos = bad
+    if what == "unsupported":
+        return False
+    if what == "overflow":
+        # the eager path looks for NaN codes in the whole chunk first
+        nan = ((codes.view(torch.uint8) & 0x7F) == 0x7F).view(-1).nonzero()
+        if nan.numel():
+            what, pos = "nan", int(nan[0, 0])
+    br, bc = block
+    why = "an FP8 NaN code" if what == "nan" else "a value beyond float16"
+    raise BadBlock(pos // n // br, pos % n // bc, why)
+
+
 def dequantize_chunk(
     codes: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -200,6 +262,9 @@ def dequantize_chunk(
     br, bc = block
     r, n = codes.shape
     if r * n == 0:
+        return
+    # on CPU, one native pass: same values and the same refusals
+    if _dequantize_native(codes, scale_inv, block, out):
         return
     nbr, nbc = -(-r // br), -(-n // bc)
     rows, cols = nbr * br, nbc * bc
@@ -219,10 +284,7 @@ def dequantize_chunk(
         half[:, n:].zero_()
     if rows > r:
         half[r:].zero_()
-    hv = half[:r, :n]
-    # code (sign-extended) * 2**7: bit 15 = sign, bit 14 = sign too, 13..7 = code
-    torch.mul(codes.view(torch.int8), _TIMES_128, out=hv)
-    hv.bitwise_and_(-16385)  # clear bit 14 (~0x4000 as int16)
+    _e4m3_half_bits(codes.view(torch.int8), half[:r, :n])
     x = ws.get("f32", (rows, cols), torch.float32)
     x.copy_(half.view(torch.float16))
     scale = scale_inv * 256.0

@@ -1,0 +1,719 @@
+"""Native CPU kernels of the paged cache write (and the FP8 block dequantize),
+compiled on first use.
+
+The eager cache write quantizes in four fp32 passes and scatters in a fifth; per
+element that costs about ten times a copy of the int8 output. These kernels do the
+whole write of one token in one pass over its row: widen (fp16/bf16 -> fp32,
+exact), divide by the head's scale, round half to even, saturate to int8, and copy
+the row's 32-byte fractal runs (NZ) or the whole row (ND) to the slot. Float caches
+take the same scatter without the arithmetic.
+
+The codes are those of :func:`~ascend_fa.atb_ops.quant.quantize_per_head` bit for
+bit (the tests compare every fp16 and bf16 value under several scales):
+
+* the quotient is a true IEEE fp32 division (``divps`` / ``/``), never a product
+  with a reciprocal, so it is ``fl(x / s)`` exactly as torch forms it;
+* the quotient is clamped to ``[INT8_MIN, INT8_MAX]`` *before* rounding: the bounds
+  are integers and rounding is monotonic, so ``round(clamp(q)) ==
+  clamp(round(q))``; +-inf quotients land on the bounds;
+* rounding is half to even: ``roundps`` with ``_MM_FROUND_TO_NEAREST_INT`` on AVX2
+  machines, the ``ROUND_MAGIC`` add elsewhere (both exact for ``|q| <= 128``);
+* fp16 is widened by ``vcvtph2ps`` (F16C) or bit arithmetic with the subnormals
+  converted from their integer mantissa (exact; no reliance on denormal fp32
+  arithmetic, which a flush-to-zero mode would change); bf16 is its bits << 16.
+
+The FP8 E4M3 block dequantize (:meth:`NativeKernels.fp8_dequantize`) likewise
+replaces six eager passes by one: decode the code exactly, one fp32 product with the
+block's ``scale_inv``, round to bf16 / fp16 to nearest even, and report the first
+NaN code or fp16 overflow the eager path would refuse.
+
+The library is plain C with no torch headers: it compiles in well under a second
+with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``), is cached
+on disk under a name derived from the source, compiler and machine, and is loaded
+with :mod:`ctypes`. The AVX2 + F16C path is chosen at run time from the CPU's
+feature bits, so the cached file also runs on an older x86 CPU (scalar path). No
+compiler, a failed compile or ``ASCEND_FA_NATIVE=0`` leaves the eager torch path in
+use; :func:`native_status` says which path runs and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
+
+__all__ = [
+    "NATIVE_ENV",
+    "NATIVE_CACHE_ENV",
+    "MAX_ROW_BYTES",
+    "NativeStatus",
+    "build_library",
+    "native_disabled",
+    "native_enabled",
+    "native_status",
+    "native_kernels",
+    "NativeKernels",
+]
+
+#: Environment switch: ``0`` keeps the eager torch path (the kernels are not built).
+NATIVE_ENV = "ASCEND_FA_NATIVE"
+#: Directory for the compiled library (default: ``$XDG_CACHE_HOME/ascend_fa`` or
+#: ``~/.cache/ascend_fa``; a temporary directory when that is not writable).
+NATIVE_CACHE_ENV = "ASCEND_FA_NATIVE_CACHE"
+#: Widest token row (bytes of int8 codes) the kernel stages on its stack.
+MAX_ROW_BYTES = 65536
+
+#: Input dtype codes of ``afa_quant_write``.
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+_SOURCE = r"""
+#include <float.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Every float operation below must round to fp32 on its own (no x87 excess
+   precision): a build where it would not fails here, and the eager path runs. */
+#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
+#error "native kernels need FLT_EVAL_METHOD == 0 (fp32 arithmetic in fp32)"
+#endif
+
+#define ROW_MAX @ROW_MAX@
+#define ROUND_MAGIC @ROUND_MAGIC@f
+#define CODE_MIN @CODE_MIN@.0f
+#define CODE_MAX @CODE_MAX@.0f
+
+/* fp16 bits -> fp32, exact. Subnormals (e == 0) come from their integer mantissa
+   times 2^-24 (an exact product with a normal fp32 result), so no denormal fp32
+   value is ever formed. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    if (e == 0) {
+        float sub = (float)m * 0x1p-24f;
+        memcpy(&bits, &sub, 4);
+    } else if (e == 31) {
+        bits = 0x7f800000u | (m << 13);
+    } else {
+        bits = ((e + 112u) << 23) | (m << 13);
+    }
+    bits |= sign;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float load1(const void *src, int dtype, int64_t i) {
+    if (dtype == 0) return f16_to_f32(((const uint16_t *)src)[i]);
+    if (dtype == 1) return bf16_to_f32(((const uint16_t *)src)[i]);
+    return ((const float *)src)[i];
+}
+
+/* One code: true division, clamp to the (integer) bounds, then round half to even
+   by the magic add (fp32 values in [2^23, 2^24) are integers). */
+static inline int8_t code1(float x, float s) {
+    float q = x / s;
+    q = q < CODE_MIN ? CODE_MIN : q;
+    q = q > CODE_MAX ? CODE_MAX : q;
+    float r = (q + ROUND_MAGIC) - ROUND_MAGIC;
+    return (int8_t)(int32_t)r;
+}
+
+static void quant_scalar(const void *src, int dtype, int64_t n, float s,
+                         int8_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = code1(load1(src, dtype, i), s);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86 1
+
+__attribute__((target("avx2,f16c")))
+static inline __m256 load8(const void *src, int dtype, int64_t i) {
+    const __m128i *p = (const __m128i *)((const uint16_t *)src + i);
+    if (dtype == 0) return _mm256_cvtph_ps(_mm_loadu_si128(p));
+    if (dtype == 1) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    }
+    return _mm256_loadu_ps((const float *)src + i);
+}
+
+__attribute__((target("avx2,f16c")))
+static inline __m256i codes8(__m256 x, __m256 s) {
+    __m256 q = _mm256_div_ps(x, s);
+    /* max/min return the bound for a NaN quotient (no defined code either way) */
+    q = _mm256_max_ps(q, _mm256_set1_ps(CODE_MIN));
+    q = _mm256_min_ps(q, _mm256_set1_ps(CODE_MAX));
+    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvttps_epi32(q);
+}
+
+__attribute__((target("avx2,f16c")))
+static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
+                       int8_t *out) {
+    __m256 s = _mm256_set1_ps(scale);
+    /* packs work per 128-bit lane: this puts the 8 dwords back in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i a = codes8(load8(src, dtype, i), s);
+        __m256i b = codes8(load8(src, dtype, i + 8), s);
+        __m256i c = codes8(load8(src, dtype, i + 16), s);
+        __m256i d = codes8(load8(src, dtype, i + 24), s);
+        __m256i ab = _mm256_packs_epi32(a, b);
+        __m256i cd = _mm256_packs_epi32(c, d);
+        __m256i abcd = _mm256_packs_epi16(ab, cd);
+        _mm256_storeu_si256((__m256i *)(out + i),
+                            _mm256_permutevar8x32_epi32(abcd, order));
+    }
+    if (i < n) quant_scalar((const char *)src + i * (dtype == 2 ? 4 : 2), dtype,
+                            n - i, scale, out + i);
+}
+#endif
+
+static int simd = -1;
+
+int afa_simd(void) {
+#ifdef HAVE_X86
+    if (simd < 0)
+        simd = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return simd;
+#else
+    return 0;
+#endif
+}
+
+/* 1: AVX2 path when the CPU has it (the default), 0: the portable scalar path. */
+void afa_set_simd(int on) {
+    simd = -1;
+    if (on) afa_simd();
+    else simd = 0;
+}
+
+static void quant(const void *src, int dtype, int64_t n, float s, int8_t *out) {
+#ifdef HAVE_X86
+    if (afa_simd()) {
+        quant_avx2(src, dtype, n, s, out);
+        return;
+    }
+#endif
+    quant_scalar(src, dtype, n, s, out);
+}
+
+/* Copy one token row of row_bytes to slot: ND (run == 0) the whole row at
+   slot * row_bytes; NZ its row_bytes / run fractal rows of run bytes, row j of the
+   token at ((blk * n1 + j) * bs + r) * run. */
+static inline void put(uint8_t *cache, const uint8_t *row, int64_t slot,
+                       int64_t row_bytes, int64_t bs, int64_t run) {
+    if (run == 0) {
+        memcpy(cache + slot * row_bytes, row, (size_t)row_bytes);
+        return;
+    }
+    int64_t blk = slot / bs, r = slot - blk * bs, n1 = row_bytes / run;
+    uint8_t *base = cache + (blk * n1 * bs + r) * run;
+    int64_t stride = bs * run;
+    /* fixed sizes let the compiler inline the 32- and 64-byte copies */
+    if (run == 32) {
+        for (int64_t j = 0; j < n1; j++) memcpy(base + j * stride, row + j * 32, 32);
+    } else if (run == 64) {
+        for (int64_t j = 0; j < n1; j++) memcpy(base + j * stride, row + j * 64, 64);
+    } else {
+        for (int64_t j = 0; j < n1; j++)
+            memcpy(base + j * stride, row + j * run, (size_t)run);
+    }
+}
+
+static inline int64_t slot_at(const void *slots, int wide, int64_t t) {
+    return wide ? ((const int64_t *)slots)[t] : ((const int32_t *)slots)[t];
+}
+
+/* src [T, H, D] (dtype 0 fp16, 1 bf16, 2 fp32), scale [H] fp32 -> int8 codes of
+   every token with slot >= 0 written to cache. */
+int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
+                    const float *scale, const void *slots, int wide, int8_t *cache,
+                    int64_t bs, int64_t run) {
+    int8_t row[ROW_MAX];
+    int64_t w = H * D, es = dtype == 2 ? 4 : 2;
+    if (w > ROW_MAX) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slot_at(slots, wide, t);
+        if (s < 0) continue;
+        const char *x = (const char *)src + t * w * es;
+        for (int64_t h = 0; h < H; h++)
+            quant(x + h * D * es, dtype, D, scale[h], row + h * D);
+        put((uint8_t *)cache, (const uint8_t *)row, s, w, bs, run);
+    }
+    return 0;
+}
+
+/* src [T, row_bytes] copied unchanged (float cache of the input's dtype). */
+int afa_copy_write(const void *src, int64_t T, int64_t row_bytes, const void *slots,
+                   int wide, uint8_t *cache, int64_t bs, int64_t run) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = slot_at(slots, wide, t);
+        if (s < 0) continue;
+        put(cache, (const uint8_t *)src + t * row_bytes, s, row_bytes, bs, run);
+    }
+    return 0;
+}
+
+/* -- FP8 E4M3 block dequantize ---------------------------------------------------
+   out[i, j] = to_dtype(fl32(value(codes[i, j]) * scale[i / br, j / bc])), the eager
+   ``(codes.float() * scale_inv).to(dtype)``. The E4M3 value is exact in fp32 (lut,
+   or on AVX2 the code's bits moved into fp16, which is value / 2^8, widened and
+   scaled by 2^8: exact, a power of two); the product is the one fp32 rounding; the
+   narrowing rounds to nearest even as torch's casts do (bf16: the integer form of
+   c10's round_to_nearest_even, fp16: vcvtps2ph with RN). Returns -1, or 2 * k for
+   the first NaN code at flat index k (row-major; stops there), or 2 * k + 1 for the
+   first fp16 result that is not finite, or -3 when fp16 output needs F16C. */
+static inline uint16_t bf16_rne(float y) {
+    uint32_t b;
+    memcpy(&b, &y, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+static int64_t fp8_scalar(const uint8_t *codes, int64_t r, int64_t n,
+                          const float *scale, int64_t br, int64_t bc,
+                          const float *lut, uint16_t *out, int kind) {
+    if (kind != 0) return -3;
+    int64_t nbc = (n + bc - 1) / bc;
+    for (int64_t i = 0; i < r; i++) {
+        const float *srow = scale + (i / br) * nbc;
+        const uint8_t *c = codes + i * n;
+        uint16_t *o = out + i * n;
+        for (int64_t j = 0; j < n; j++) {
+            if ((c[j] & 0x7f) == 0x7f) return 2 * (i * n + j);
+            o[j] = bf16_rne(lut[c[j]] * srow[j / bc]);
+        }
+    }
+    return -1;
+}
+
+#ifdef HAVE_X86
+__attribute__((target("avx2,f16c")))
+static inline __m256 e4m3x8(__m128i bytes8) {
+    /* sign-extend, << 7: bit 15 sign, bit 14 sign again (cleared), 13..7 the code's
+       exponent and mantissa -> fp16 of value / 2^8 */
+    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes8), 7);
+    h = _mm_and_si128(h, _mm_set1_epi16((short)0xBFFF));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+
+__attribute__((target("avx2,f16c")))
+static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
+                        const float *scale, int64_t br, int64_t bc,
+                        const float *lut, uint16_t *out, int kind) {
+    int64_t nbc = (n + bc - 1) / bc;
+    const __m128i low7 = _mm_set1_epi8(0x7f);
+    for (int64_t i = 0; i < r; i++) {
+        const float *srow = scale + (i / br) * nbc;
+        const uint8_t *c = codes + i * n;
+        uint16_t *o = out + i * n;
+        for (int64_t j0 = 0; j0 < n; j0 += bc) {
+            int64_t end = j0 + bc < n ? j0 + bc : n;
+            float sc = srow[j0 / bc];
+            __m256 s = _mm256_set1_ps(sc);
+            int64_t j = j0;
+            for (; j + 8 <= end; j += 8) {
+                __m128i b = _mm_loadl_epi64((const __m128i *)(c + j));
+                int nan = _mm_movemask_epi8(
+                    _mm_cmpeq_epi8(_mm_and_si128(b, low7), low7)) & 0xff;
+                if (nan) return 2 * (i * n + j + __builtin_ctz(nan));
+                __m256 y = _mm256_mul_ps(e4m3x8(b), s);
+                __m128i packed;
+                if (kind == 0) {
+                    __m256i w = _mm256_castps_si256(y);
+                    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16),
+                                                   _mm256_set1_epi32(1));
+                    w = _mm256_add_epi32(w, _mm256_add_epi32(
+                        odd, _mm256_set1_epi32(0x7fff)));
+                    w = _mm256_srli_epi32(w, 16);
+                    packed = _mm_packus_epi32(_mm256_castsi256_si128(w),
+                                              _mm256_extracti128_si256(w, 1));
+                } else {
+                    packed = _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT);
+                    __m128i ex = _mm_and_si128(packed, _mm_set1_epi16(0x7c00));
+                    int inf = _mm_movemask_epi8(
+                        _mm_cmpeq_epi16(ex, _mm_set1_epi16(0x7c00)));
+                    if (inf) return 2 * (i * n + j + __builtin_ctz(inf) / 2) + 1;
+                }
+                _mm_storeu_si128((__m128i *)(o + j), packed);
+            }
+            for (; j < end; j++) {
+                if ((c[j] & 0x7f) == 0x7f) return 2 * (i * n + j);
+                float y = lut[c[j]] * sc;
+                if (kind == 0) {
+                    o[j] = bf16_rne(y);
+                } else {
+                    o[j] = _cvtss_sh(y, _MM_FROUND_TO_NEAREST_INT);
+                    if ((o[j] & 0x7c00) == 0x7c00) return 2 * (i * n + j) + 1;
+                }
+            }
+        }
+    }
+    return -1;
+}
+#endif
+
+int64_t afa_fp8_dequantize(const uint8_t *codes, int64_t r, int64_t n,
+                           const float *scale, int64_t br, int64_t bc,
+                           const float *lut, uint16_t *out, int kind) {
+#ifdef HAVE_X86
+    if (afa_simd()) return fp8_avx2(codes, r, n, scale, br, bc, lut, out, kind);
+#endif
+    return fp8_scalar(codes, r, n, scale, br, bc, lut, out, kind);
+}
+
+/* The quantizer alone, for tests: src [n] -> out [n] with one scale. */
+void afa_quantize(const void *src, int dtype, int64_t n, float s, int8_t *out) {
+    quant(src, dtype, n, s, out);
+}
+"""
+
+#: Optimisation only; no flag that relaxes IEEE semantics (no -ffast-math), and no
+#: contraction of a product and a sum into one FMA: the division, the products and
+#: the rounding must be the exact IEEE operations the eager path performs.
+_CFLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-fno-fast-math",
+    "-ffp-contract=off",
+    "-std=gnu99",
+)
+
+
+def _source() -> str:
+    return (
+        _SOURCE.replace("@ROW_MAX@", str(MAX_ROW_BYTES))
+        .replace("@ROUND_MAGIC@", repr(float(ROUND_MAGIC)))
+        .replace("@CODE_MIN@", str(INT8_MIN))
+        .replace("@CODE_MAX@", str(INT8_MAX))
+    )
+
+
+@dataclass(frozen=True)
+class NativeStatus:
+    """Which cache-write path runs on CPU and why.
+
+    ``available``: the native library is loaded; ``compiler``: the C compiler used;
+    ``compile_s``: seconds this process spent compiling it (0 when it was loaded
+    from the disk cache, ``from_cache``); ``simd``: the AVX2 + F16C path is used;
+    ``reason``: why the eager path runs when not available."""
+
+    available: bool
+    path: str | None = None
+    compiler: str | None = None
+    compile_s: float = 0.0
+    from_cache: bool = False
+    simd: bool = False
+    reason: str = ""
+
+    def describe(self) -> str:
+        """One line for benchmark output."""
+        if not self.available:
+            return f"eager torch ({self.reason})"
+        how = (
+            "loaded from the disk cache"
+            if self.from_cache
+            else f"compiled in {self.compile_s:.2f} s"
+        )
+        isa = "AVX2+F16C" if self.simd else "scalar"
+        return f"native C ({isa}, {self.compiler}, {how})"
+
+
+def native_enabled() -> bool:
+    """False when ``ASCEND_FA_NATIVE=0`` (read on every call, so a test or a
+    benchmark can switch paths in-process)."""
+    return os.environ.get(NATIVE_ENV, "1").strip() not in ("0", "false", "no", "off")
+
+
+@contextlib.contextmanager
+def native_disabled() -> Iterator[None]:
+    """Run the block on the eager torch path (``ASCEND_FA_NATIVE=0``, restored
+    on exit)."""
+    before = os.environ.get(NATIVE_ENV)
+    os.environ[NATIVE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NATIVE_ENV, None)
+        else:
+            os.environ[NATIVE_ENV] = before
+
+
+def _find_compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name:
+            found = shutil.which(name)
+            if found:
+                return found
+    return None
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get(NATIVE_CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return Path(base) / "ascend_fa"
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        out = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        return out.stdout.splitlines()[0] if out.stdout else cc
+    except (OSError, subprocess.SubprocessError):
+        return cc
+
+
+def build_library(directory: str | os.PathLike[str], cc: str | None = None) -> Path:
+    """Compile the kernels into ``directory`` (a fresh build, no cache lookup) and
+    return the library's path. Raises ``RuntimeError`` with the compiler's message
+    when there is no compiler or it fails. Used by :func:`native_kernels` and by the
+    benchmark to measure the cold compile cost."""
+    cc = cc or _find_compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    src = directory / f"afa_cache_write_{os.getpid()}_{threading.get_ident()}.c"
+    src.write_text(_source(), encoding="utf-8")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *_CFLAGS, "-o", tmp, str(src)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        src.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        first = (proc.stderr or proc.stdout or "").strip().splitlines()
+        raise RuntimeError(
+            f"{cc} failed (exit {proc.returncode}): {first[0] if first else ''}"
+        )
+    return Path(tmp)
+
+
+class NativeKernels:
+    """The loaded library with typed wrappers (pointers come from tensors the
+    caller has validated: contiguous, CPU, the dtypes named)."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.afa_quant_write.argtypes = [
+            ptr, c_int, i64, i64, i64, ptr, ptr, c_int, ptr, i64, i64
+        ]  # fmt: skip
+        lib.afa_quant_write.restype = c_int
+        lib.afa_copy_write.argtypes = [ptr, i64, i64, ptr, c_int, ptr, i64, i64]
+        lib.afa_copy_write.restype = c_int
+        lib.afa_quantize.argtypes = [ptr, c_int, i64, ctypes.c_float, ptr]
+        lib.afa_quantize.restype = None
+        lib.afa_simd.restype = c_int
+        lib.afa_fp8_dequantize.argtypes = [
+            ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int
+        ]  # fmt: skip
+        lib.afa_fp8_dequantize.restype = i64
+        lib.afa_set_simd.argtypes = [c_int]
+        lib.afa_set_simd.restype = None
+        self._lib = lib
+        self.simd = bool(lib.afa_simd())
+
+    def set_simd(self, enabled: bool) -> bool:
+        """Use the AVX2 + F16C path when the CPU has it (``True``, the default) or
+        the portable scalar path (``False``, what a CPU without AVX2 runs); returns
+        whether the SIMD path is now in use."""
+        self._lib.afa_set_simd(int(enabled))
+        self.simd = bool(self._lib.afa_simd())
+        return self.simd
+
+    def quant_write(
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor,
+        slots: torch.Tensor,
+        cache: torch.Tensor,
+        block_size: int,
+        run_bytes: int,
+    ) -> None:
+        """Quantize ``x`` ``[T, H, D]`` (contiguous) by ``scale`` ``[H]`` fp32 into
+        the int8 ``cache``; ``run_bytes`` 0 for ND, the fractal row bytes for NZ."""
+        t, h, d = x.shape
+        rc = self._lib.afa_quant_write(
+            x.data_ptr(),
+            _DTYPE_CODES[x.dtype],
+            t,
+            h,
+            d,
+            scale.data_ptr(),
+            slots.data_ptr(),
+            int(slots.dtype == torch.int64),
+            cache.data_ptr(),
+            block_size,
+            run_bytes,
+        )
+        if rc != 0:
+            raise ValueError(f"row of {h * d} codes exceeds {MAX_ROW_BYTES} bytes")
+
+    def copy_write(
+        self,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        cache: torch.Tensor,
+        block_size: int,
+        run_bytes: int,
+    ) -> None:
+        """Copy the rows of ``x`` ``[T, ...]`` (contiguous, the cache dtype)."""
+        t = x.shape[0]
+        self._lib.afa_copy_write(
+            x.data_ptr(),
+            t,
+            x[0].numel() * x.element_size() if t else 0,
+            slots.data_ptr(),
+            int(slots.dtype == torch.int64),
+            cache.data_ptr(),
+            block_size,
+            run_bytes,
+        )
+
+    def fp8_dequantize(
+        self,
+        codes: torch.Tensor,
+        scale_inv: torch.Tensor,
+        block: tuple[int, int],
+        lut: torch.Tensor,
+        out: torch.Tensor,
+    ) -> tuple[str, int] | None:
+        """``out [r, n]`` (bf16 or fp16, contiguous) = ``(codes.float() *
+        scale_inv).to(out.dtype)`` for contiguous ``codes [r, n] float8_e4m3fn`` and
+        fp32 ``scale_inv [ceil(r/BR), ceil(n/BC)]``; ``lut`` is the fp32 value of
+        each of the 256 codes. Returns None, or ``("nan", k)`` for the first NaN
+        code at flat index ``k`` / ``("overflow", k)`` for the first fp16 result
+        that is not finite (``out`` is then partly written), or ``("unsupported",
+        -1)`` (fp16 output without F16C: nothing written)."""
+        r, n = codes.shape
+        kind = 0 if out.dtype == torch.bfloat16 else 1
+        rc = self._lib.afa_fp8_dequantize(
+            codes.data_ptr(),
+            r,
+            n,
+            scale_inv.data_ptr(),
+            block[0],
+            block[1],
+            lut.data_ptr(),
+            out.data_ptr(),
+            kind,
+        )
+        if rc == -1:
+            return None
+        if rc == -3:
+            return ("unsupported", -1)
+        return ("overflow" if rc % 2 else "nan", rc // 2)
+
+    def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """The kernel's quantizer alone: codes of contiguous ``x`` under one scale
+        (what the write stores; exposed so tests can sweep every input value)."""
+        out = torch.empty(x.shape, dtype=torch.int8)
+        self._lib.afa_quantize(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), scale, out.data_ptr()
+        )
+        return out
+
+
+_LOCK = threading.Lock()
+_STATE: dict[str, object] = {}
+
+
+def _load() -> tuple[NativeKernels | None, NativeStatus]:
+    if sys.platform not in ("linux", "darwin"):
+        return None, NativeStatus(False, reason=f"no native kernels on {sys.platform}")
+    cc = _find_compiler()
+    if cc is None:
+        return None, NativeStatus(False, reason="no C compiler ($CC, cc, gcc, clang)")
+    ident = _compiler_id(cc)
+    key = "\n".join([_source(), ident, " ".join(_CFLAGS), platform.machine()])
+    name = f"afa_cache_write_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    reason = ""
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "ascend_fa"):
+        target = directory / name
+        if target.is_file():
+            try:
+                kernels = NativeKernels(target)
+            except OSError:
+                pass  # damaged or foreign file: rebuild it below
+            else:
+                return kernels, NativeStatus(
+                    True, str(target), ident, 0.0, True, kernels.simd
+                )
+        start = time.perf_counter()
+        try:
+            built = build_library(directory, cc)
+        except (OSError, RuntimeError) as exc:
+            reason = str(exc)
+            continue
+        elapsed = time.perf_counter() - start
+        # atomic: another process building the same library concurrently either
+        # sees the finished file or builds its own
+        os.replace(built, target)
+        kernels = NativeKernels(target)
+        return kernels, NativeStatus(
+            True, str(target), ident, elapsed, False, kernels.simd
+        )
+    return None, NativeStatus(False, compiler=ident, reason=reason)
+
+
+def _loaded() -> tuple[NativeKernels | None, NativeStatus]:
+    with _LOCK:
+        if "status" not in _STATE:
+            _STATE["kernels"], _STATE["status"] = _load()
+        return _STATE["kernels"], _STATE["status"]  # type: ignore[return-value]
+
+
+def native_kernels() -> NativeKernels | None:
+    """The loaded kernels (built on the first call of the process), or None when
+    disabled (``ASCEND_FA_NATIVE=0``) or unavailable."""
+    if not native_enabled():
+        return None
+    return _loaded()[0]
+
+
+def native_status() -> NativeStatus:
+    """Which path the CPU cache write takes (loads the kernels if enabled)."""
+    if not native_enabled():
+        return NativeStatus(False, reason=f"{NATIVE_ENV}=0")
+    return _loaded()[1]

@@ -1,0 +1,232 @@
+"""The native CPU cache-write kernels: bit-equal to the golden reference and to the
+eager torch path, on every 16-bit input value and on random caches and slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ascend_fa.atb_ops import nz_cache_shape, quantize_per_head
+from ascend_fa.atb_ops.cache import (
+    _quantize_ref,
+    reshape_and_cache_mla_ref,
+    reshape_and_cache_ref,
+)
+from ascend_fa.atb_ops.native import (
+    build_library,
+    native_disabled,
+    native_kernels,
+    native_status,
+)
+
+from ascend_fa import reshape_and_cache, reshape_and_cache_mla
+
+#: Scales that make exact ties, saturate, underflow to zero, or overflow the
+#: quotient to +-inf (2**-23, 1e-38), as in the eager quantizer's tests.
+SCALES = [1.0, 0.5, 0.02, 3.0e-4, 2.0**-23, 1e-38, 7.0, 1.0e6]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    status = native_status()
+    if not status.available:
+        # only a machine without a C compiler lands here; the eager path is then
+        # the one in use and test_cache_write covers it
+        pytest.skip(f"native kernels unavailable: {status.reason}")
+    k = native_kernels()
+    yield k
+    k.set_simd(True)
+
+
+@pytest.fixture(params=["simd", "scalar"])
+def path(request, kernels):
+    """Run a test on the AVX2 path and on the portable scalar path."""
+    on = kernels.set_simd(request.param == "simd")
+    if request.param == "simd" and not on:
+        pytest.skip("this CPU has no AVX2 + F16C")
+    yield request.param
+    kernels.set_simd(True)
+
+
+def _all_16bit(dtype):
+    """Every non-NaN value of a 16-bit float dtype (infinities included)."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    return x[~torch.isnan(x)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16bit_value_under_every_scale(kernels, path, dtype):
+    """The kernel's quantizer (widen, true fp32 divide, clamp, round half to even)
+    gives the golden codes (hand rounding in the reference) for every fp16 / bf16
+    value. The length is not a multiple of 32, so the scalar tail runs too."""
+    x = _all_16bit(dtype)
+    assert x.numel() % 32
+    for s in SCALES:
+        got = kernels.quantize(x, s)
+        want = _quantize_ref(x.view(-1, 1, 1), torch.tensor([s])).view(-1)
+        assert torch.equal(got, want), (dtype, s, path)
+
+
+def test_fp32_ties_bounds_and_specials(kernels, path, rng):
+    """fp32 input: half-integer quotients round to even, the int8 bounds and just
+    past them saturate, +-inf and huge values saturate, denormals give 0."""
+    halves = torch.arange(-130, 130, dtype=torch.float32) + 0.5
+    edges = torch.tensor(
+        [127.0, 127.49999, 127.5, 128.0, -128.0, -128.5, -128.50002, -129.0, 0.0,
+         -0.0, 3.0e38, -3.0e38, float("inf"), float("-inf"), 4194303.5, 2.0**22,
+         2.0**23, -(2.0**23) - 1.0, 1e-45, -1e-45]
+    )  # fmt: skip
+    x = torch.cat([halves, edges, torch.randn(4001, generator=rng) * 200])
+    for s in [1.0, 0.5, 0.25, 3.0, 1e-38]:
+        got = kernels.quantize(x, s)
+        want = _quantize_ref(x.view(-1, 1, 1), torch.tensor([s])).view(-1)
+        assert torch.equal(got, want), (s, path)
+
+
+def _slots(gen, kind, t, nb, bs):
+    if kind == "prefill":  # whole blocks in shuffled order, last one partial
+        blocks = torch.randperm(nb, generator=gen)[: -(-t // bs)]
+        slots = (blocks.view(-1, 1) * bs + torch.arange(bs)).view(-1)[:t]
+    else:  # distinct random slots (decode), some padding
+        slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots = slots.clone()
+    slots[torch.randperm(t, generator=gen)[:3]] = -1
+    return slots
+
+
+CASES = [
+    # dtype, int8?, layout, Hkv, D, BS
+    (torch.float16, True, "nz", 2, 48, 32),
+    (torch.bfloat16, True, "nz", 3, 64, 64),
+    (torch.float32, True, "nz", 1, 64, 32),
+    (torch.float16, True, "nd", 2, 20, 32),
+    (torch.bfloat16, True, "nd", 4, 33, 32),
+    (torch.float16, False, "nz", 2, 24, 16),
+    (torch.bfloat16, False, "nd", 3, 20, 16),
+    (torch.float32, False, "nz", 1, 32, 16),
+    (torch.float32, False, "nd", 2, 12, 16),
+]
+
+
+@pytest.mark.parametrize("kind", ["prefill", "scattered"])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype,quantized,layout,hkv,d,bs", CASES)
+def test_random_writes_equal_reference_and_eager(
+    kernels, rng, kind, slot_dtype, dtype, quantized, layout, hkv, d, bs
+):
+    """Random caches already holding data, padding slots (-1) skipped, int32 and
+    int64 slots: the native write, the eager write and the per-token golden loop
+    leave the same bytes."""
+    nb, t = 6, 3 * bs + 5
+    key = (torch.randn(t, hkv, d, generator=rng) * 3).to(dtype)
+    value = (torch.randn(t, hkv, d, generator=rng) * 2).to(dtype)
+    cdt = torch.int8 if quantized else dtype
+    shape = nz_cache_shape(nb, bs, hkv, d, cdt) if layout == "nz" else (nb, bs, hkv, d)
+    old = torch.randn(shape, generator=rng)
+    kc = (old * 40).to(torch.int8) if quantized else old.to(dtype)
+    vc = kc.flip(0).contiguous()
+    ks = torch.rand(hkv, generator=rng) * 0.02 + 0.01 if quantized else None
+    vs = torch.rand(hkv, generator=rng) * 0.02 + 0.01 if quantized else None
+    slots = _slots(rng, kind, t, nb, bs).to(slot_dtype)
+    caches = {name: (kc.clone(), vc.clone()) for name in ("native", "eager", "ref")}
+    kw = dict(k_scale=ks, v_scale=vs, layout=layout)
+    reshape_and_cache(key, value, *caches["native"], slots, **kw)
+    with native_disabled():
+        reshape_and_cache(key, value, *caches["eager"], slots, **kw)
+    reshape_and_cache_ref(key, value, *caches["ref"], slots, ks, vs, layout)
+    for name in ("eager", "ref"):
+        assert torch.equal(caches["native"][0], caches[name][0]), name
+        assert torch.equal(caches["native"][1], caches[name][1]), name
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+@pytest.mark.parametrize("layout", ["nz", "nd"])
+def test_mla_write_equals_reference(kernels, rng, quantized, layout):
+    """MLA: the int8 latent (one head, scale [1]) and the bf16 rope."""
+    t, r, dr, nb, bs = 70, 512, 64, 4, 32
+    latent = (torch.randn(t, r, generator=rng) * 2).bfloat16()
+    rope = torch.randn(t, dr, generator=rng).bfloat16()
+    ks = torch.tensor([0.013]) if quantized else None
+    ldt = torch.int8 if quantized else torch.bfloat16
+    if layout == "nz":
+        lshape = nz_cache_shape(nb, bs, 1, r, ldt)
+        rshape = nz_cache_shape(nb, bs, 1, dr, torch.bfloat16)
+    else:
+        lshape, rshape = (nb, bs, 1, r), (nb, bs, 1, dr)
+    lc = torch.full(lshape, 5, dtype=ldt)
+    rc = torch.full(rshape, 5, dtype=torch.bfloat16)
+    lr, rr = lc.clone(), rc.clone()
+    slots = _slots(rng, "scattered", t, nb, bs)
+    reshape_and_cache_mla(latent, rope, lc, rc, slots, k_scale=ks, layout=layout)
+    reshape_and_cache_mla_ref(latent, rope, lr, rr, slots, ks, layout)
+    assert torch.equal(lc, lr)
+    assert torch.equal(rc.view(torch.int16), rr.view(torch.int16))
+
+
+def test_non_contiguous_input_and_codes_per_head(kernels, rng):
+    """A strided key (a slice of a wider tensor) is written like its contiguous
+    copy; the stored rows are quantize_per_head of the tokens."""
+    hkv, d, bs, nb = 2, 32, 32, 2
+    wide = torch.randn(10, hkv, 2 * d, generator=rng).half()
+    key = wide[..., ::2]
+    assert not key.is_contiguous()
+    kc = torch.zeros(nb, bs, hkv, d, dtype=torch.int8)
+    vc = torch.zeros_like(kc)
+    slots = torch.arange(10, dtype=torch.int32) * 3
+    s = torch.tensor([0.01, 0.03])
+    reshape_and_cache(key, key, kc, vc, slots, k_scale=s, v_scale=s, layout="nd")
+    want = quantize_per_head(key, s, axis=1)
+    assert torch.equal(kc.view(-1, hkv, d)[slots.long()], want)
+
+
+def test_repeated_slot_is_refused_before_any_write(kernels):
+    """The op's validation still runs first: a slot listed twice is refused and
+    the caches are left as they were."""
+    key = torch.randn(4, 1, 32).half()
+    kc = torch.full((2, 32, 1, 32), 9, dtype=torch.int8)
+    vc = kc.clone()
+    before = kc.clone()
+    s = torch.tensor([0.02])
+    with pytest.raises(ValueError, match="more than once"):
+        reshape_and_cache(
+            key,
+            key,
+            kc,
+            vc,
+            torch.tensor([3, 5, 3, 7]),
+            k_scale=s,
+            v_scale=s,
+            layout="nd",
+        )
+    assert torch.equal(kc, before) and torch.equal(vc, before)
+
+
+def test_disabled_and_failed_builds_fall_back(tmp_path):
+    """ASCEND_FA_NATIVE=0 reports the eager path; a compiler that fails is a
+    RuntimeError naming it (the loader then keeps the eager path)."""
+    with native_disabled():
+        status = native_status()
+        assert not status.available and "ASCEND_FA_NATIVE=0" in status.reason
+        assert status.describe().startswith("eager torch")
+        assert native_kernels() is None
+    with pytest.raises(RuntimeError, match="failed"):
+        build_library(tmp_path, cc="false")
+    assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
+
+
+def test_direct_op_call_with_bad_arguments_never_runs_the_kernel(kernels):
+    """The op itself does not validate (the public wrappers do); the native path
+    declines a slot beyond the cache (the eager path then raises) and rows that do
+    not match the cache's slots, so the kernel never writes outside the cache."""
+    key = torch.randn(3, 1, 32).half()
+    kc = torch.zeros(1, 32, 1, 32, dtype=torch.int8)
+    vc = kc.clone()
+    s = torch.tensor([0.02])
+    op = torch.ops.ascend_fa.reshape_and_cache.default
+    with pytest.raises((IndexError, RuntimeError)):
+        op(key, key, kc, vc, torch.tensor([0, 1, 32]), s, s, "nd")
+    from ascend_fa.atb_ops.cache import _native_fits
+
+    assert _native_fits(kc, key, s, "nd")
+    assert not _native_fits(kc, torch.randn(3, 2, 32).half(), s.repeat(2), "nd")
+    assert not _native_fits(kc, key.float(), None, "nd")  # float copy, wrong dtype
+    assert not _native_fits(kc.view(1, 1, 32, 32), key, s, "nd")  # 1024-wide slots

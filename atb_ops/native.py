@@ -44,6 +44,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -73,7 +74,9 @@ __all__ = [
 #: Environment switch: ``0`` keeps the eager torch path (the kernels are not built).
 NATIVE_ENV = "ASCEND_FA_NATIVE"
 #: Directory for the compiled library (default: ``$XDG_CACHE_HOME/ascend_fa`` or
-#: ``~/.cache/ascend_fa``; a temporary directory when that is not writable).
+#: ``~/.cache/ascend_fa``; then ``<tmp>/ascend_fa-<uid>``). Only a directory of the
+#: current user that group and others cannot write is used (the library runs as the
+#: caller).
 NATIVE_CACHE_ENV = "ASCEND_FA_NATIVE_CACHE"
 #: Widest token row (bytes of int8 codes) the kernel stages on its stack.
 MAX_ROW_BYTES = 65536
@@ -486,6 +489,47 @@ def _cache_dir() -> Path:
     return Path(base) / "ascend_fa"
 
 
+def _private_dir(directory: Path) -> str | None:
+    """Make ``directory`` (mode 0700) and check that only this user can put a
+    library there: a real directory (not a symlink), owned by the current user,
+    not writable by group or others. Returns why not, or None. A library loaded
+    with ``ctypes`` runs with the caller's rights, so a directory someone else can
+    write (a shared temp dir, a planted symlink) is never used."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+    except OSError as exc:
+        return f"{directory}: {exc.strerror or exc}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory}: not a directory (a symlink is not followed)"
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"{directory}: owned by another user"
+    if st.st_mode & 0o022:
+        return f"{directory}: writable by group or others"
+    return None
+
+
+def _own_file(path: Path) -> bool:
+    """``path`` is a regular file (not a symlink) of the current user that
+    group and others cannot write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISREG(st.st_mode)
+        and (not hasattr(os, "getuid") or st.st_uid == os.getuid())
+        and not st.st_mode & 0o022
+    )
+
+
+def _cache_dirs() -> list[Path]:
+    """Where the library may be cached: the user's cache directory, then a
+    per-user directory in the temp dir (``ascend_fa-<uid>``, mode 0700)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return [_cache_dir(), Path(tempfile.gettempdir()) / f"ascend_fa-{uid}"]
+
+
 def _compiler_id(cc: str) -> str:
     try:
         out = subprocess.run(
@@ -669,9 +713,13 @@ def _load() -> tuple[NativeKernels | None, NativeStatus]:
     key = "\n".join([_source(), ident, " ".join(_CFLAGS), platform.machine()])
     name = f"afa_cache_write_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     reason = ""
-    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "ascend_fa"):
+    for directory in _cache_dirs():
+        unsafe = _private_dir(directory)
+        if unsafe is not None:
+            reason = unsafe
+            continue
         target = directory / name
-        if target.is_file():
+        if target.is_file() and _own_file(target):
             try:
                 kernels = NativeKernels(target)
             except OSError:

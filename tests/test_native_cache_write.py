@@ -3,6 +3,12 @@ eager torch path, on every 16-bit input value and on random caches and slots."""
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from ascend_fa.atb_ops import nz_cache_shape, quantize_per_head
@@ -211,6 +217,47 @@ def test_disabled_and_failed_builds_fall_back(tmp_path):
     with pytest.raises(RuntimeError, match="failed"):
         build_library(tmp_path, cc="false")
     assert not list(tmp_path.glob("*.so"))  # nothing half-built left behind
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership rules")
+def test_library_only_from_a_private_directory(tmp_path):
+    """A cache directory others can write, or a symlink, is never used (a library
+    loaded with ctypes runs as the caller): the loader falls back to the per-user
+    0700 directory in the temp dir, and nothing lands in the unsafe place."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(elsewhere)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    code = (
+        "from ascend_fa.atb_ops.native import native_status;"
+        "s = native_status(); print(s.available, s.path)"
+    )
+    for unsafe in (shared, link):
+        env = {
+            **os.environ,
+            "ASCEND_FA_NATIVE_CACHE": str(unsafe),
+            "TMPDIR": str(tmp),
+            "TORCH_DEVICE_BACKEND_AUTOLOAD": "0",
+        }
+        env.pop("ASCEND_FA_NATIVE", None)
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout.split()
+        assert out[0] == "True", out
+        private = tmp / f"ascend_fa-{os.getuid()}"
+        assert Path(out[1]).parent == private, out
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700
+        assert not list(shared.iterdir()) and not list(elsewhere.iterdir())
 
 
 def test_direct_op_call_with_bad_arguments_never_runs_the_kernel(kernels):

@@ -436,6 +436,18 @@ def _qk_statistics(
     return out
 
 
+def _observed(stats: dict[str, dict[str, Any]], name: str) -> tuple[Any, Any]:
+    """The ``fa_q`` / ``fa_k`` statistics points of attention ``name``; an
+    ``InputError`` when no calibration token reached it."""
+    st = stats.get(name)
+    if st is None or st["fa_q"].sample is None or st["fa_k"].sample is None:
+        raise InputError(
+            f"qk-smoothing: no calibration token reached {name} (empty "
+            "calibration batches?)"
+        )
+    return st["fa_q"], st["fa_k"]
+
+
 def apply_attention_transforms(
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
@@ -465,13 +477,7 @@ def apply_attention_transforms(
     # Every decision first, then every fold: a refusal leaves the model untouched.
     if "qk-smoothing" in names:
         for layer, (name, module) in zip(layers, modules, strict=True):
-            st = stats.get(name)
-            if st is None or st["fa_q"].sample is None or st["fa_k"].sample is None:
-                raise InputError(
-                    f"qk-smoothing: no calibration token reached {name} (empty "
-                    "calibration batches?)"
-                )
-            q, k = st["fa_q"], st["fa_k"]
+            q, k = _observed(stats, name)
             beta, s, errors = smoothing_factors(
                 q.pair_max,
                 k.pair_max,
@@ -501,13 +507,7 @@ def _apply_latent(
     layers = [LayerTransform(name, i) for i, (name, _) in enumerate(modules)]
     stats = _qk_statistics(model, batches, mla=True)
     for layer, (name, module) in zip(layers, modules, strict=True):
-        st = stats.get(name)
-        if st is None or st["fa_q"].sample is None or st["fa_k"].sample is None:
-            raise InputError(
-                f"qk-smoothing: no calibration token reached {name} (empty "
-                "calibration batches?)"
-            )
-        q, c = st["fa_q"], st["fa_k"]
+        q, c = _observed(stats, name)
         beta, s, errors = latent_smoothing_factors(
             q.abs_max, c.abs_max, q.sample, c.sample, scaling=float(module.scaling)
         )

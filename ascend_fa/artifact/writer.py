@@ -237,7 +237,9 @@ def checkpoint_tensors(
             continue
         if name in tied and not tied_copies:
             continue
-        t = t.detach().to("cpu")
+        t = t.detach()
+        if not t.is_meta:  # a meta tensor (a streamed layer's specs) stays meta
+            t = t.to("cpu")
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         key = (t.untyped_storage().data_ptr(), t.storage_offset())

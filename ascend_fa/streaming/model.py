@@ -474,6 +474,11 @@ class StreamedModel:
         }
         return list(artifact.hf_checkpoint_names(self.model, meta))
 
+    def _float_layer(self, i: int) -> bool:
+        """Decoder layer ``i`` holds no module that exports computed tensors (the
+        quantized linears' ``export_tensors``)."""
+        return not any(hasattr(m, "export_tensors") for m in self.layers[i].modules())
+
     def checkpoint_tensors(
         self, dtype: torch.dtype | None, *, tied_copies: bool = False
     ) -> Any:
@@ -496,9 +501,13 @@ class StreamedModel:
         preds.append((None, lambda n: self.layer_of(n) is None and n not in pre))
         cache: dict[int, dict[str, torch.Tensor]] = {}
 
-        def unit(u: int) -> Any:
+        def unit(u: int, specs_only: bool = False) -> Any:
             layer, keep = preds[u]
-            if layer is not None:
+            # A layer of float tensors only has the specs (names, shapes, dtypes)
+            # of its skeleton: the spec pass leaves it unread (on the meta device;
+            # casts keep meta). Quantized modules check their values as they
+            # export, so their layers are loaded for the specs too.
+            if layer is not None and not (specs_only and self._float_layer(layer)):
                 self.ensure(layer)
             return artifact.checkpoint_tensors(
                 self.model, dtype, tied_copies=tied_copies, keep=keep
@@ -509,7 +518,7 @@ class StreamedModel:
         owner: dict[str, int] = {}
         types: dict[str, str] = {}
         for u in range(len(preds)):
-            ct = unit(u)
+            ct = unit(u, specs_only=True)
             for name, t in ct.tensors.items():
                 spec = artifact.TensorSpec(tuple(t.shape), t.dtype)
                 (floats if ct.types[name] == "FLOAT" else quants)[name] = spec

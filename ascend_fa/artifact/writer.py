@@ -204,6 +204,8 @@ def checkpoint_tensors(
     *,
     tied_copies: bool = False,
     keep: Callable[[str], bool] | None = None,
+    part: torch.nn.Module | None = None,
+    part_prefix: str = "",
 ) -> CheckpointTensors:
     """The model's tensors under their checkpoint names, ready for safetensors.
 
@@ -216,11 +218,20 @@ def checkpoint_tensors(
     ``"FLOAT"``. Tied copies (``model.all_tied_weights_keys``) are dropped, or
     written as their own copy with ``tied_copies``. ``keep(name)`` limits it to
     the state_dict entries and quantized modules it accepts (a streaming export
-    takes one decoder layer at a time).
+    takes one decoder layer at a time). ``part`` (with ``part_prefix``, its name
+    in ``model`` plus ``"."``): read the state and modules of this submodule only
+    (a streamed layer: the same result as ``keep`` for that prefix, without a
+    whole-model walk per layer).
     """
+    if part is not None:
+        named = [(part_prefix + n, m) for n, m in part.named_modules() if n]
+        state = {part_prefix + k: v for k, v in part.state_dict().items()}
+    else:
+        named = list(model.named_modules())
+        state = model.state_dict()
     quantized = {
         name: m
-        for name, m in model.named_modules()
+        for name, m in named
         if name
         and callable(getattr(m, "export_tensors", None))
         and (keep is None or keep(name + "."))
@@ -228,7 +239,7 @@ def checkpoint_tensors(
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     floats: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if keep is not None and not keep(name):
             continue
         if any(f".{b}." in f".{name}" for b in FA_BRANCHES):

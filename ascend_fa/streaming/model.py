@@ -270,10 +270,15 @@ class StreamedModel:
         else:
             setattr(module, attr, value)
 
+    def _current(self, key: str) -> torch.Tensor:
+        # One attribute lookup, not a whole-model state_dict per layer load (that
+        # made loading quadratic in depth).
+        path, _, attr = key.rpartition(".")
+        return getattr(self.model.get_submodule(path), attr)
+
     def _load_keys(self, keys: list[str]) -> None:
-        state = self.model.state_dict()
         for key in keys:
-            want = state[key].dtype
+            want = self._current(key).dtype
             t = self._read(key)
             # from_pretrained(dtype=...) casts floating weights; others as stored
             t = t.to(self.device, want if t.is_floating_point() else t.dtype)
@@ -509,8 +514,17 @@ class StreamedModel:
             # export, so their layers are loaded for the specs too.
             if layer is not None and not (specs_only and self._float_layer(layer)):
                 self.ensure(layer)
+            if layer is None:
+                return artifact.checkpoint_tensors(
+                    self.model, dtype, tied_copies=tied_copies, keep=keep
+                )
             return artifact.checkpoint_tensors(
-                self.model, dtype, tied_copies=tied_copies, keep=keep
+                self.model,
+                dtype,
+                tied_copies=tied_copies,
+                keep=keep,
+                part=self.layers[layer],
+                part_prefix=self.prefix[layer],
             )
 
         floats: dict[str, artifact.TensorSpec] = {}

@@ -379,6 +379,18 @@ def calibrate(
                 loaded = load_model(model, gguf_file, cache=cache)
             net = loaded.model.to(device)
         seconds["load"] = time.perf_counter() - t0
+
+        def batches_of(texts: list[str]) -> Any:
+            # The unsplit samples of the transforms and the error budget (every
+            # rank runs them whole).
+            return calibration_batches(
+                loaded.tokenizer,
+                texts,
+                max_length=max_length,
+                batch_size=batch_size,
+                device=device,
+            )
+
         mla = net.config.model_type == "deepseek_v3"
         artifact.check_target(
             target,
@@ -400,13 +412,7 @@ def calibrate(
             # weights; the statistics forward runs on the original float model.
             transform_result = apply_attention_transforms(
                 net,
-                calibration_batches(
-                    loaded.tokenizer,
-                    calib[:STATS_SAMPLES],
-                    max_length=max_length,
-                    batch_size=batch_size,
-                    device=device,
-                ),
+                batches_of(calib[:STATS_SAMPLES]),
                 transform_names,
                 seed=seed,
             )
@@ -485,17 +491,7 @@ def calibrate(
             from .budget import BUDGET_SAMPLES, fit_error_budget
 
             budget_result = fit_error_budget(
-                net,
-                list(
-                    calibration_batches(
-                        loaded.tokenizer,
-                        calib[:BUDGET_SAMPLES],
-                        max_length=max_length,
-                        batch_size=batch_size,
-                        device=device,
-                    )
-                ),
-                budget,
+                net, list(batches_of(calib[:BUDGET_SAMPLES])), budget
             )
             scales = {
                 k: v for k, v in scales.items() if k not in budget_result.kept_float

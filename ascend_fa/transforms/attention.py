@@ -55,6 +55,7 @@ from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
 
+from .common import causal_probs, fake_quant_absmax, first_row_sample
 from .hadamard import random_hadamard
 from .latent import LatentStats, fold_latent_smoothing, latent_smoothing_factors
 
@@ -76,13 +77,10 @@ __all__ = [
 ATTENTION_TRANSFORMS = ("v-rotation", "qk-smoothing")
 #: Exponents ``β`` of ``s = (q / k) ** β`` tried per layer (0 keeps the layer as is).
 SMOOTHING_EXPONENTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625)
-#: Tokens of the first calibration sample kept per layer for the exponent search.
-SEARCH_TOKENS = 256
 #: Calibration samples the Q / K statistics forward reads (the first ones): outlier
 #: channels are a property of the weights, a few samples find them, and the extra
 #: forward stays a fraction of the calibration.
 STATS_SAMPLES = 8
-_INT8_MAX = 127.0
 
 
 def parse_transforms(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -277,8 +275,8 @@ def _pair_norm(x: torch.Tensor) -> torch.Tensor:
 
 class _QKStats(nn.Module):
     """An FA point that returns its input and keeps, per head, the largest pair
-    norm over real tokens and the first :data:`SEARCH_TOKENS` real tokens of the
-    first row it sees (``[H, n, D]`` float32)."""
+    norm over real tokens and the first :data:`~.common.SEARCH_TOKENS` real tokens
+    of the first row it sees (``[H, n, D]`` float32)."""
 
     def __init__(self, num_heads: int, head_dim: int | None):
         super().__init__()
@@ -296,29 +294,15 @@ class _QKStats(nn.Module):
         m = norms.amax(dim=(0, 2)).cpu()
         self.pair_max = m if self.pair_max is None else torch.maximum(self.pair_max, m)
         if self.sample is None:
-            row = x[0].detach().float().cpu()  # [H, S, D]
-            if token_mask is not None:
-                row = row[:, token_mask[0].cpu().bool()]
-            if row.shape[1]:
-                self.sample = row[:, :SEARCH_TOKENS]
+            self.sample = first_row_sample(x, token_mask)
         return x
-
-
-def _fake_quant(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    """Symmetric INT8 per head: ``absmax`` ``[..., H]`` -> ``x`` ``[..., H, n, D]``
-    dequantized."""
-    scale = (absmax / _INT8_MAX).clamp(min=1e-12)[..., None, None]
-    return torch.clamp(torch.round(x / scale), -_INT8_MAX, _INT8_MAX) * scale
 
 
 def _attention_probs(q: torch.Tensor, k: torch.Tensor, group: int) -> torch.Tensor:
     """Causal softmax probabilities ``[..., H, n, n]`` of ``q`` ``[..., H, n, D]``
     against ``k`` ``[..., Hkv, n, D]``."""
     kk = k.repeat_interleave(group, dim=-3)
-    logits = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    n = q.shape[-2]
-    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
-    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+    return causal_probs(q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1]))
 
 
 def smoothing_factors(
@@ -363,8 +347,8 @@ def smoothing_factors(
     sk = torch.cat([s_all, s_all], -1).repeat_interleave(rep_k, 1)  # [E, Hkv, D]
     q_abs = (q_max[None] / s_all.repeat_interleave(rep_q, 1)).amax(-1)  # [E, H]
     k_abs = (k_max[None] * s_all.repeat_interleave(rep_k, 1)).amax(-1)
-    qq = _fake_quant(q_sample[None] / sq[:, :, None, :], q_abs)
-    kq = _fake_quant(k_sample[None] * sk[:, :, None, :], k_abs)
+    qq = fake_quant_absmax(q_sample[None] / sq[:, :, None, :], q_abs)
+    kq = fake_quant_absmax(k_sample[None] * sk[:, :, None, :], k_abs)
     p = _attention_probs(qq, kq, group)  # [E, H, n, n]
     err = (0.5 * (p - ref[None]).abs().sum(-1)).mean(dim=(1, 2))  # [E]
     errors = {float(b): float(e) for b, e in zip(betas, err, strict=True)}

@@ -42,6 +42,8 @@ from torch import nn
 
 from ascend_fa.errors import UnsupportedError
 
+from .common import causal_probs, fake_quant_absmax, first_row_sample
+
 __all__ = [
     "LATENT_EXPONENTS",
     "LatentStats",
@@ -51,15 +53,12 @@ __all__ = [
 
 #: Exponents ``β`` of ``s = (q / k) ** β`` tried per MLA layer (0 keeps it as is).
 LATENT_EXPONENTS = (0.0, 0.125, 0.25, 0.375, 0.5, 0.625)
-#: Real tokens of the first calibration row kept per layer for the search.
-LATENT_SEARCH_TOKENS = 256
-_INT8_MAX = 127.0
 
 
 class LatentStats(nn.Module):
     """An FA point that returns its input and keeps the largest ``|x|`` per head
     and channel over real tokens (``abs_max`` ``[Hx, R]``) and the first
-    :data:`LATENT_SEARCH_TOKENS` real tokens of the first row it sees (``sample``
+    :data:`~.common.SEARCH_TOKENS` real tokens of the first row it sees (``sample``
     ``[Hx, n, R]`` float32)."""
 
     def __init__(self, num_heads: int) -> None:
@@ -77,28 +76,14 @@ class LatentStats(nn.Module):
         m = a.amax(dim=(0, 2)).cpu()
         self.abs_max = m if self.abs_max is None else torch.maximum(self.abs_max, m)
         if self.sample is None:
-            row = x[0].detach().float().cpu()  # [Hx, S, R]
-            if token_mask is not None:
-                row = row[:, token_mask[0].cpu().bool()]
-            if row.shape[1]:
-                self.sample = row[:, :LATENT_SEARCH_TOKENS]
+            self.sample = first_row_sample(x, token_mask)
         return x
-
-
-def _fake_quant(x: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    """Symmetric INT8 per head: ``absmax`` ``[H]`` -> ``x`` ``[H, n, R]``
-    dequantized."""
-    scale = (absmax / _INT8_MAX).clamp(min=1e-12)[:, None, None]
-    return torch.clamp(torch.round(x / scale), -_INT8_MAX, _INT8_MAX) * scale
 
 
 def _probs(q: torch.Tensor, c: torch.Tensor, scaling: float) -> torch.Tensor:
     """Causal softmax ``[H, n, n]`` of ``q`` ``[H, n, R]`` against the latent ``c``
     ``[1, n, R]`` (shared by every head)."""
-    logits = scaling * (q @ c.transpose(-1, -2))
-    n = q.shape[-2]
-    mask = torch.ones(n, n, dtype=torch.bool).triu(1)
-    return torch.softmax(logits.masked_fill(mask, float("-inf")), dim=-1)
+    return causal_probs(scaling * (q @ c.transpose(-1, -2)))
 
 
 def latent_smoothing_factors(
@@ -137,7 +122,9 @@ def latent_smoothing_factors(
         q_abs = (q_max / s).amax(dim=-1)  # [H]
         c_abs = (c_max * s).amax(dim=-1)  # [1]
         p = _probs(
-            _fake_quant(q_sample / s, q_abs), _fake_quant(c_sample * s, c_abs), scaling
+            fake_quant_absmax(q_sample / s, q_abs),
+            fake_quant_absmax(c_sample * s, c_abs),
+            scaling,
         )
         errors[float(b)] = float((0.5 * (p - ref).abs().sum(-1)).mean())
         factors[float(b)] = s

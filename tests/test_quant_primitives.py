@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from ascend_fa.atb_ops import dequantize_per_head_ref, quantize_per_head_ref
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ascend_fa import dequantize_per_head, per_head_qparams, quantize_per_head
@@ -119,6 +119,7 @@ def test_bf16_input_uses_fp32_math():
     seed=st.integers(0, 2**31 - 1),
     spread=st.floats(1e-3, 1e3),
 )
+@example(h=3, n=7, dtype=torch.bfloat16, seed=7, spread=167.0)  # a rounding tie
 def test_quantize_property(h, n, dtype, seed, spread):
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(2, h, n, generator=gen) * spread).to(dtype)
@@ -127,9 +128,11 @@ def test_quantize_property(h, n, dtype, seed, spread):
     scale, _ = per_head_qparams(lo, hi)
     q = quantize_per_head(x, scale, axis=1)
     assert torch.equal(q, quantize_per_head_ref(x, scale, 1))
-    # with the full range, nothing saturates beyond one step and error <= scale/2
+    # with the full range, nothing saturates beyond one step and error <= scale/2,
+    # up to the fp32 rounding of the dequantized product q * scale (half an ulp of
+    # a value near |x|: a tie x / scale = k + 0.5 lands a hair above scale/2)
     err = (dequantize_per_head(q, scale) - x.float()).abs()
-    bound = scale.view(1, h, 1) * 0.5 * (1 + 1e-6)
+    bound = scale.view(1, h, 1) * 0.5 * (1 + 1e-6) + x.float().abs() * 2.0**-23
     assert bool((err <= bound).all())
     assert math.isfinite(float(err.max()))
 

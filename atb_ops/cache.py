@@ -46,6 +46,7 @@ The kernel picks one of two write paths (same bytes either way):
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from dataclasses import dataclass
 
@@ -173,9 +174,15 @@ def check_scale(
         )
     if scale.device != device:
         raise ValueError(f"{fn}: {name} is on {scale.device}, expected {device}")
-    bad = ~(torch.isfinite(scale) & (scale > 0))
-    if bool(bad.any()):
-        idx = int(bad.nonzero()[0, 0])
+    if scale.device.type == "cpu" and n <= 4096:
+        # a few values: one conversion to Python floats instead of five tensor ops
+        # (NaN fails both comparisons)
+        values = scale.tolist()
+        idx = next((i for i, v in enumerate(values) if not 0 < v < math.inf), None)
+    else:
+        bad = ~(torch.isfinite(scale) & (scale > 0))
+        idx = int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+    if idx is not None:
         raise ValueError(
             f"{fn}: {name} must be finite and > 0, got {float(scale[idx])} "
             f"at index {idx}"
@@ -271,15 +278,31 @@ def _check_slots(
             f"{fn}: slot_mapping[{idx}] = {int(slot_mapping[idx])} is out of "
             f"range: the cache has NB*BS = {num_slots} slots"
         )
-    valid = slot_mapping
-    if int(lo) < 0:
-        valid = torch.masked_select(slot_mapping, slot_mapping >= 0)
-    slot = repeated_slot(valid, block_size)
+    slot = _native_repeated_slot(slot_mapping, num_slots, block_size)
+    if slot is False:
+        valid = slot_mapping
+        if int(lo) < 0:
+            valid = torch.masked_select(slot_mapping, slot_mapping >= 0)
+        slot = repeated_slot(valid, block_size)
     if slot is not None:
         raise ValueError(
             f"{fn}: slot_mapping writes slot {slot} more than once "
             "(the result would depend on write order)"
         )
+
+
+def _native_repeated_slot(
+    slots: torch.Tensor, num_slots: int, block_size: int
+) -> int | None | bool:
+    """:func:`repeated_slot` of the non-negative entries of CPU ``slots`` (all
+    ``< num_slots``) in one native pass, or False when the native kernels are off
+    or do not decide (then the caller sorts)."""
+    if slots.device.type != "cpu" or slots.numel() < 2:
+        return False
+    kernels = native_kernels()
+    if kernels is None:
+        return False
+    return kernels.repeated_slot(slots.contiguous(), num_slots, block_size)
 
 
 def repeated_slot(slots: torch.Tensor, block_size: int) -> int | None:

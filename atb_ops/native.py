@@ -16,11 +16,21 @@ bit (the tests compare every fp16 and bf16 value under several scales):
 * the quotient is clamped to ``[INT8_MIN, INT8_MAX]`` *before* rounding: the bounds
   are integers and rounding is monotonic, so ``round(clamp(q)) ==
   clamp(round(q))``; +-inf quotients land on the bounds;
-* rounding is half to even: ``roundps`` with ``_MM_FROUND_TO_NEAREST_INT`` on AVX2
-  machines, the ``ROUND_MAGIC`` add elsewhere (both exact for ``|q| <= 128``);
+* rounding is half to even: on AVX2 machines ``cvtps2dq`` under the default MXCSR
+  (round to nearest even, checked per call; the two saturating packs clamp the
+  bottom) or ``roundps`` with ``_MM_FROUND_TO_NEAREST_INT`` where MXCSR rounds
+  otherwise, the ``ROUND_MAGIC`` add on the scalar path (all exact for
+  ``|q| <= 128``);
 * fp16 is widened by ``vcvtph2ps`` (F16C) or bit arithmetic with the subnormals
   converted from their integer mantissa (exact; no reliance on denormal fp32
   arithmetic, which a flush-to-zero mode would change); bf16 is its bits << 16.
+
+On AVX2 machines the codes go straight into the cache (an ND row at its slot; with
+``D % 32 == 0`` each 32 codes are one whole NZ fractal row) and the loop
+prefetches the rows ahead; the division stays a true ``divps``. On an AMD EPYC
+(Zen 1) core a product with the reciprocal plus a per-vector check for quotients next to a half-integer (the lanes where the
+product's code could differ) measured no faster than the division: the check
+costs the four vector operations the division saved.
 
 The FP8 E4M3 block dequantize (:meth:`NativeKernels.fp8_dequantize`) likewise
 replaces six eager passes by one: decode the code exactly, one fp32 product with the
@@ -87,6 +97,7 @@ _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _SOURCE = r"""
 #include <float.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Every float operation below must round to fp32 on its own (no x87 excess
@@ -174,26 +185,88 @@ static inline __m256i codes8(__m256 x, __m256 s) {
     return _mm256_cvttps_epi32(q);
 }
 
+/* The same codes in three vector operations instead of five, for a thread whose
+   MXCSR rounds to nearest even (checked per call, see rounds_to_nearest):
+   * min(CODE_MAX, q) caps the top; its operand order returns q for a NaN q;
+   * cvtps2dq rounds half to even under that MXCSR, and every quotient it cannot
+     represent (NaN, -inf, below -2^31) becomes INT32_MIN;
+   * the two saturating packs of the caller then cap the bottom at CODE_MIN.
+   So a quotient below -128 (or -inf) packs to -128 as clamp-then-round gives,
+   and NaN packs to -128 as codes8 gives (max returns the bound there); in between
+   rounding commutes with the integer clamp bounds. The true division stays. */
 __attribute__((target("avx2,f16c")))
-static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
-                       int8_t *out) {
+static inline __m256i codes8_rn(__m256 x, __m256 s) {
+    __m256 q = _mm256_div_ps(x, s);
+    q = _mm256_min_ps(_mm256_set1_ps(CODE_MAX), q);
+    return _mm256_cvtps_epi32(q);
+}
+
+/* Elements ahead of the current position that the loop prefetches: the rows of
+   one call are contiguous in memory, so this fetches the next rows' lines while
+   the division of the current ones runs (the hardware prefetcher alone left the
+   loop waiting on memory; 4 KiB ahead measured best). */
+#define PREFETCH_AHEAD 2048
+
+/* The codes of src[0:n] under one scale: the 32 codes of element i go to
+   out + (i / 32) * ostride (ostride 32: contiguous; the NZ fractal-row stride:
+   straight into the cache). A tail (n % 32) needs ostride == 32. */
+__attribute__((target("avx2,f16c"), always_inline))
+static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
+                                   float scale, int8_t *out, int64_t ostride,
+                                   int rn) {
     __m256 s = _mm256_set1_ps(scale);
     /* packs work per 128-bit lane: this puts the 8 dwords back in order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    int64_t i = 0;
+    int64_t es = dtype == 2 ? 4 : 2, i = 0;
     for (; i + 32 <= n; i += 32) {
-        __m256i a = codes8(load8(src, dtype, i), s);
-        __m256i b = codes8(load8(src, dtype, i + 8), s);
-        __m256i c = codes8(load8(src, dtype, i + 16), s);
-        __m256i d = codes8(load8(src, dtype, i + 24), s);
+        _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
+        if (es == 4)
+            _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es + 64,
+                         _MM_HINT_T0);
+        __m256i a, b, c, d;
+        if (rn) {
+            a = codes8_rn(load8(src, dtype, i), s);
+            b = codes8_rn(load8(src, dtype, i + 8), s);
+            c = codes8_rn(load8(src, dtype, i + 16), s);
+            d = codes8_rn(load8(src, dtype, i + 24), s);
+        } else {
+            a = codes8(load8(src, dtype, i), s);
+            b = codes8(load8(src, dtype, i + 8), s);
+            c = codes8(load8(src, dtype, i + 16), s);
+            d = codes8(load8(src, dtype, i + 24), s);
+        }
         __m256i ab = _mm256_packs_epi32(a, b);
         __m256i cd = _mm256_packs_epi32(c, d);
         __m256i abcd = _mm256_packs_epi16(ab, cd);
-        _mm256_storeu_si256((__m256i *)(out + i),
+        _mm256_storeu_si256((__m256i *)(out + (i / 32) * ostride),
                             _mm256_permutevar8x32_epi32(abcd, order));
     }
-    if (i < n) quant_scalar((const char *)src + i * (dtype == 2 ? 4 : 2), dtype,
-                            n - i, scale, out + i);
+    if (i < n) quant_scalar((const char *)src + i * es, dtype, n - i, scale,
+                            out + i);
+}
+
+/* One instance per input dtype and rounding path, so the loop has no branch. */
+__attribute__((target("avx2,f16c")))
+static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
+                       int8_t *out, int64_t ostride, int rn) {
+    if (rn) {
+        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 1);
+        else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 1);
+        else quant_avx2_impl(src, 2, n, scale, out, ostride, 1);
+    } else {
+        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 0);
+        else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 0);
+        else quant_avx2_impl(src, 2, n, scale, out, ostride, 0);
+    }
+}
+
+static int explicit_round = 0;
+
+/* Whether codes8_rn may run: this thread's SSE rounding mode is round to nearest
+   even (MXCSR.RC == 0, the default; codes8 names its rounding instead), and the
+   tests have not asked for the codes8 path (afa_set_explicit_round). */
+static inline int rounds_to_nearest(void) {
+    return !explicit_round && (_mm_getcsr() & 0x6000u) == 0;
 }
 #endif
 
@@ -216,10 +289,20 @@ void afa_set_simd(int on) {
     else simd = 0;
 }
 
+/* 1: the AVX2 path rounds by roundps + cvttps2dq whatever the MXCSR (what a
+   thread with another rounding mode runs), 0: by cvtps2dq where MXCSR allows. */
+void afa_set_explicit_round(int on) {
+#ifdef HAVE_X86
+    explicit_round = on != 0;
+#else
+    (void)on;
+#endif
+}
+
 static void quant(const void *src, int dtype, int64_t n, float s, int8_t *out) {
 #ifdef HAVE_X86
     if (afa_simd()) {
-        quant_avx2(src, dtype, n, s, out);
+        quant_avx2(src, dtype, n, s, out, 32, rounds_to_nearest());
         return;
     }
 #endif
@@ -254,13 +337,40 @@ static inline int64_t slot_at(const void *slots, int wide, int64_t t) {
 }
 
 /* src [T, H, D] (dtype 0 fp16, 1 bf16, 2 fp32), scale [H] fp32 -> int8 codes of
-   every token with slot >= 0 written to cache. */
+   every token with slot >= 0 written to cache. On the AVX2 path the codes go
+   straight to the cache: an ND row is contiguous at its slot, and with D % 32 == 0
+   each 32 codes of an NZ row are one whole fractal row (C0 = 32 int8). Otherwise a
+   token's row is staged and put() copies it. */
 int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
                     const float *scale, const void *slots, int wide, int8_t *cache,
                     int64_t bs, int64_t run) {
     int8_t row[ROW_MAX];
     int64_t w = H * D, es = dtype == 2 ? 4 : 2;
     if (w > ROW_MAX) return -1;
+#ifdef HAVE_X86
+    if (afa_simd() && (run == 0 || (run == 32 && D % 32 == 0))) {
+        int rn = rounds_to_nearest();
+        for (int64_t t = 0; t < T; t++) {
+            int64_t s = slot_at(slots, wide, t);
+            if (s < 0) continue;
+            const char *x = (const char *)src + t * w * es;
+            if (run == 0) {
+                int8_t *dst = cache + s * w;
+                for (int64_t h = 0; h < H; h++)
+                    quant_avx2(x + h * D * es, dtype, D, scale[h], dst + h * D, 32,
+                               rn);
+            } else {
+                /* fractal row j of the token at ((blk * n1 + j) * bs + r) * 32 */
+                int64_t blk = s / bs, r = s - blk * bs, n1 = w / 32;
+                int8_t *base = cache + (blk * n1 * bs + r) * 32;
+                for (int64_t h = 0; h < H; h++)
+                    quant_avx2(x + h * D * es, dtype, D, scale[h],
+                               base + (h * D / 32) * bs * 32, bs * 32, rn);
+            }
+        }
+        return 0;
+    }
+#endif
     for (int64_t t = 0; t < T; t++) {
         int64_t s = slot_at(slots, wide, t);
         if (s < 0) continue;
@@ -270,6 +380,49 @@ int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
         put((uint8_t *)cache, (const uint8_t *)row, s, w, bs, run);
     }
     return 0;
+}
+
+/* The smallest slot that slots[0:n] lists twice (negative slots are padding and
+   skipped; every slot is < num_slots, validated before), -1 when none, -2 when
+   this does not decide (the caller sorts instead), -3 when out of memory.
+   A prefill hands out whole blocks: when every group of bs consecutive valid
+   entries is a run start, start + 1, ... with start a multiple of bs, two groups
+   collide exactly when they share a block, so one bit per block decides (and
+   the smallest repeated slot is the smallest shared block's first slot). Any
+   other pattern takes one bit per slot when num_slots <= max_bits. */
+int64_t afa_repeated_slot(const void *slots, int wide, int64_t n, int64_t num_slots,
+                          int64_t bs, int64_t max_bits) {
+    int64_t k = 0, start = 0, runs = 1;
+    for (int64_t t = 0; t < n && runs; t++) {
+        int64_t v = slot_at(slots, wide, t);
+        if (v < 0) continue;
+        if (k % bs == 0) {
+            start = v;
+            runs = v % bs == 0;
+        } else {
+            runs = v == start + k % bs;
+        }
+        k++;
+    }
+    int64_t bits = runs ? (num_slots + bs - 1) / bs : num_slots;
+    if (!runs && num_slots > max_bits) return -2;
+    uint8_t *seen = calloc((size_t)(bits / 8 + 1), 1);
+    if (seen == NULL) return -3;
+    int64_t found = -1;
+    for (int64_t t = 0; t < n; t++) {
+        int64_t v = slot_at(slots, wide, t);
+        if (v < 0) continue;
+        int64_t b = runs ? v / bs : v;
+        if (runs && v % bs) continue; /* only a run's first slot marks its block */
+        uint8_t bit = (uint8_t)(1u << (b & 7));
+        if (seen[b >> 3] & bit) {
+            if (found < 0 || v < found) found = v;
+        } else {
+            seen[b >> 3] |= bit;
+        }
+    }
+    free(seen);
+    return found;
 }
 
 /* src [T, row_bytes] copied unchanged (float cache of the input's dtype). */
@@ -593,8 +746,12 @@ class NativeKernels:
             ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int
         ]  # fmt: skip
         lib.afa_fp8_dequantize.restype = i64
+        lib.afa_repeated_slot.argtypes = [ptr, c_int, i64, i64, i64, i64]
+        lib.afa_repeated_slot.restype = i64
         lib.afa_set_simd.argtypes = [c_int]
         lib.afa_set_simd.restype = None
+        lib.afa_set_explicit_round.argtypes = [c_int]
+        lib.afa_set_explicit_round.restype = None
         self._lib = lib
         self.simd = bool(lib.afa_simd())
 
@@ -605,6 +762,13 @@ class NativeKernels:
         self._lib.afa_set_simd(int(enabled))
         self.simd = bool(self._lib.afa_simd())
         return self.simd
+
+    def set_explicit_rounding(self, enabled: bool) -> None:
+        """Make the AVX2 quantizer round with an explicit round-to-nearest-even
+        instruction (``True``: the path a thread whose MXCSR rounds otherwise
+        takes) instead of the conversion under the default MXCSR (``False``, the
+        default); both give the same codes, the tests run both."""
+        self._lib.afa_set_explicit_round(int(enabled))
 
     def quant_write(
         self,
@@ -633,6 +797,28 @@ class NativeKernels:
         )
         if rc != 0:
             raise ValueError(f"row of {h * d} codes exceeds {MAX_ROW_BYTES} bytes")
+
+    def repeated_slot(
+        self, slots: torch.Tensor, num_slots: int, block_size: int
+    ) -> int | None | bool:
+        """The smallest slot that contiguous int32/int64 ``slots`` ``[T]`` lists
+        twice (negative slots skipped; every slot must be ``< num_slots``), None
+        when none, or False when the kernel does not decide (a pattern other than
+        whole blocks on a cache too large for one bit per slot; the caller sorts)."""
+        n = slots.numel()
+        # one bit per slot costs num_slots / 8 bytes zeroed: allowed while that
+        # stays within a small multiple of the slots' own bytes
+        rc = self._lib.afa_repeated_slot(
+            slots.data_ptr(),
+            int(slots.dtype == torch.int64),
+            n,
+            num_slots,
+            block_size,
+            max(1 << 16, 64 * n),
+        )
+        if rc >= 0:
+            return int(rc)
+        return None if rc == -1 else False
 
     def copy_write(
         self,

@@ -43,13 +43,18 @@ def kernels():
     k.set_simd(True)
 
 
-@pytest.fixture(params=["simd", "scalar"])
+@pytest.fixture(params=["simd", "simd-round", "scalar"])
 def path(request, kernels):
-    """Run a test on the AVX2 path and on the portable scalar path."""
-    on = kernels.set_simd(request.param == "simd")
-    if request.param == "simd" and not on:
+    """Run a test on the AVX2 path (rounding by the conversion under the default
+    MXCSR, and by the explicit round instruction another rounding mode takes) and
+    on the portable scalar path."""
+    simd = request.param.startswith("simd")
+    on = kernels.set_simd(simd)
+    if simd and not on:
         pytest.skip("this CPU has no AVX2 + F16C")
+    kernels.set_explicit_rounding(request.param == "simd-round")
     yield request.param
+    kernels.set_explicit_rounding(False)
     kernels.set_simd(True)
 
 
@@ -86,6 +91,90 @@ def test_fp32_ties_bounds_and_specials(kernels, path, rng):
         got = kernels.quantize(x, s)
         want = _quantize_ref(x.view(-1, 1, 1), torch.tensor([s])).view(-1)
         assert torch.equal(got, want), (s, path)
+
+
+def _near_ties(s: float) -> torch.Tensor:
+    """fp32 values at and next to every quotient tie ``(k + 0.5) * s`` in and just
+    beyond the int8 range, and at and next to the clamp bounds: the inputs where a
+    rounding or clamping slip would show."""
+    points = [(k + 0.5) * s for k in range(-131, 131)] + [
+        b * s for b in (-129.0, -128.0, -127.0, 126.0, 127.0, 128.0)
+    ]
+    x = torch.tensor(points, dtype=torch.float64).float()
+    inf = torch.full_like(x, float("inf"))
+    return torch.cat([x, torch.nextafter(x, inf), torch.nextafter(x, -inf)])
+
+
+def test_quotients_next_to_ties_and_bounds(kernels, path, rng):
+    """Scales that make exact ties common (powers of two, 1/3, absmax/127 of random
+    fp16 and bf16 data) with inputs on and one ulp either side of every half-integer
+    quotient and the clamp bounds, as fp32 and rounded to fp16 / bf16: the codes
+    equal the golden reference's (true division, round half to even)."""
+    data = torch.randn(4096, generator=rng) * 3
+    scales = [2.0**-7, 0.25, 1.0, 8.0, 1.0 / 3.0, 2.0 / 3.0]
+    for dt in (torch.float16, torch.bfloat16):
+        scales.append(float(data.to(dt).float().abs().max()) / 127.0)
+    for s in scales:
+        s32 = float(torch.tensor(s, dtype=torch.float32))
+        x32 = _near_ties(s32)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = torch.cat([x32.to(dtype), data.to(dtype)])
+            got = kernels.quantize(x, s32)
+            want = _quantize_ref(x.view(-1, 1, 1), torch.tensor([s32])).view(-1)
+            assert torch.equal(got, want), (path, s, dtype)
+
+
+def _repeated_naive(slots: list[int]) -> int | None:
+    """The smallest slot listed twice among the non-negative ones (a plain loop)."""
+    seen, twice = set(), []
+    for v in slots:
+        if v >= 0:
+            if v in seen:
+                twice.append(v)
+            seen.add(v)
+    return min(twice) if twice else None
+
+
+def test_native_repeated_slot_equals_a_plain_loop(kernels, rng):
+    """The native duplicate check (one bit per block for whole-block prefills, one
+    bit per slot otherwise) names the smallest repeated slot, or none, as a plain
+    loop does, for prefills (a partial last block, padding, a block handed out
+    twice), decode-like random slots, and it declines (False) a non-block pattern
+    on a cache too large for its bitmap; the public validation then sorts."""
+    bs, nb = 16, 40
+    cases = []
+    blocks = torch.randperm(nb, generator=rng)[:9]
+    prefill = (blocks.view(-1, 1) * bs + torch.arange(bs)).view(-1)
+    cases.append(prefill)
+    cases.append(prefill[:-5])  # partial last block
+    padded = torch.cat([prefill[:20], torch.tensor([-1, -1]), prefill[20:]])
+    cases.append(padded)  # padding inside a run
+    again = torch.cat([prefill, prefill[2 * bs : 3 * bs]])
+    cases.append(again)  # a block handed out twice
+    cases.append(torch.cat([prefill, prefill[3 * bs : 3 * bs + 4]]))  # partial twice
+    cases.append(torch.cat([prefill[:bs], prefill[bs + 1 : 2 * bs]]))  # misaligned
+    inner = prefill.clone()
+    inner[bs + 3] = inner[bs + 2]  # aligned starts, a repeat inside a block
+    cases.append(inner)
+    cases.append(inner.flip(0))
+    for _ in range(20):
+        picks = torch.randint(-1, nb * bs, (int(torch.randint(2, 60, (1,))),))
+        cases.append(picks)
+    cases.append(torch.randperm(nb * bs, generator=rng)[:50])
+    for slots in cases:
+        want = _repeated_naive(slots.tolist())
+        for dtype in (torch.int32, torch.int64):
+            got = kernels.repeated_slot(slots.to(dtype), nb * bs, bs)
+            assert got == want, (slots.tolist(), got, want)
+    # random slots on a cache of 2**17 slots (more than max(2**16, 64 per token)
+    # bits): not decided here, and the op's validation still finds the repeat by
+    # sorting
+    big = torch.tensor([70000, 5, 130000, 5, 12], dtype=torch.int32)
+    assert kernels.repeated_slot(big, 1 << 17, 16) is False
+    key = torch.randn(5, 1, 16).half()
+    kc = torch.zeros((1 << 17) // 16, 16, 1, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="writes slot 5 more than once"):
+        reshape_and_cache(key, key, kc, kc.clone(), big, layout="nd")
 
 
 def _slots(gen, kind, t, nb, bs):

@@ -49,7 +49,13 @@ from .atb_ops.attention import (
     check_paged_attention,
     release_workspace,
 )
-from .atb_ops.cache import check_reshape_and_cache, check_reshape_and_cache_mla
+from .atb_ops.cache import (
+    check_reshape_and_cache,
+    check_reshape_and_cache_mla,
+    direct_cpu_write,
+    reshape_and_cache_cpu,
+    reshape_and_cache_mla_cpu,
+)
 from .backends import Backend, CapabilityError, get_backend, select_backend
 from .backends.base import AttentionSpec, attention_spec, cache_write_spec
 from .errors import InputError, UnsupportedError
@@ -121,9 +127,11 @@ def reshape_and_cache(
         device_type=key.device.type,
     )
     resolve_backend(spec, backend)
-    torch.ops.ascend_fa.reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
-    )
+    args = (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    if direct_cpu_write(args):
+        reshape_and_cache_cpu(*args, layout)
+    else:
+        torch.ops.ascend_fa.reshape_and_cache(*args, layout)
 
 
 def reshape_and_cache_mla(
@@ -158,9 +166,11 @@ def reshape_and_cache_mla(
         rope_dim=rope.shape[1],
     )
     resolve_backend(spec, backend)
-    torch.ops.ascend_fa.reshape_and_cache_mla(
-        latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout
-    )
+    args = (latent, rope, latent_cache, rope_cache, slot_mapping, k_scale)
+    if direct_cpu_write(args):
+        reshape_and_cache_mla_cpu(*args, layout)
+    else:
+        torch.ops.ascend_fa.reshape_and_cache_mla(*args, layout)
 
 
 def paged_attention(

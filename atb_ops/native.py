@@ -28,9 +28,10 @@ bit (the tests compare every fp16 and bf16 value under several scales):
 On AVX2 machines the codes go straight into the cache (an ND row at its slot; with
 ``D % 32 == 0`` each 32 codes are one whole NZ fractal row) and the loop
 prefetches the rows ahead; the division stays a true ``divps``. On an AMD EPYC
-(Zen 1) core a product with the reciprocal plus a per-vector check for quotients next to a half-integer (the lanes where the
-product's code could differ) measured no faster than the division: the check
-costs the four vector operations the division saved.
+(Zen 1) core a product with the reciprocal plus a per-vector check for quotients
+next to a half-integer (the lanes where the product's code could differ)
+measured no faster than the division: the check costs the vector operations the
+division saved.
 
 The FP8 E4M3 block dequantize (:meth:`NativeKernels.fp8_dequantize`) likewise
 replaces six eager passes by one: decode the code exactly, one fp32 product with the

@@ -6,6 +6,7 @@ import pytest
 import torch
 from ascend_fa.atb_ops import nz_cache_shape, quantize_per_head
 from ascend_fa.atb_ops.cache import (
+    direct_cpu_write,
     reshape_and_cache_mla_ref,
     reshape_and_cache_ref,
     token_rows_ref,
@@ -310,3 +311,80 @@ def test_repeated_slot_found_in_every_slot_pattern(rng, pattern):
     shifted = (torch.tensor([1, 3]).view(-1, 1) * bs + 3 + torch.arange(bs)).view(-1)
     assert repeated_slot(shifted, bs) is None
     assert repeated_slot(torch.cat([shifted, shifted[:bs]]), bs) == int(shifted[0])
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_direct_cpu_write_equals_the_op_and_bumps_versions(rng, mla):
+    """The public wrappers run the CPU implementation without the op's Python
+    dispatch for plain CPU tensors: same bytes as the op, the caches' version
+    counters bumped as the op bumps them (the input's not), and inference tensors
+    written without one. A dispatch mode, or an input autograd would record, still
+    goes through the op (the mode sees it; the predicate refuses the latter)."""
+    t, bs, nb = 40, 32, 3
+    slots = torch.randperm(nb * bs, generator=rng)[:t].to(torch.int32)
+    if mla:
+        x = torch.randn(t, 64, generator=rng).half()
+        rope = torch.randn(t, 32, generator=rng).half()
+        s = torch.tensor([0.02])
+
+        def caches():
+            return (
+                torch.zeros(nb, bs, 1, 64, dtype=torch.int8),
+                torch.zeros(nb, bs, 1, 32, dtype=torch.float16),
+            )
+
+        def public(c, inp=x):
+            reshape_and_cache_mla(inp, rope, *c, slots, k_scale=s, layout="nd")
+
+        def op(c):
+            torch.ops.ascend_fa.reshape_and_cache_mla(x, rope, *c, slots, s, "nd")
+
+        name = "ascend_fa.reshape_and_cache_mla"
+    else:
+        x = torch.randn(t, 2, 32, generator=rng).half()
+        s = torch.tensor([0.02, 0.03])
+
+        def caches():
+            c = torch.zeros(nb, bs, 2, 32, dtype=torch.int8)
+            return c, c.clone()
+
+        def public(c, inp=x):
+            reshape_and_cache(inp, inp, *c, slots, k_scale=s, v_scale=s, layout="nd")
+
+        def op(c):
+            torch.ops.ascend_fa.reshape_and_cache(x, x, *c, slots, s, s, "nd")
+
+        name = "ascend_fa.reshape_and_cache"
+    direct, via_op = caches(), caches()
+    public(direct)
+    op(via_op)
+    for a, b in zip(direct, via_op):
+        assert torch.equal(a, b)
+        assert a._version == b._version == 1
+    assert x._version == 0
+    with torch.inference_mode():
+        frozen = caches()
+        public(frozen)
+    assert all(torch.equal(a, b) for a, b in zip(frozen, via_op))
+    log = _OpLog()
+    with log:
+        public(caches())
+    assert any(name in o for o in log.ops), log.ops
+    leaf = x.clone().requires_grad_()
+    assert not direct_cpu_write((leaf, None))
+    with torch.no_grad():
+        assert direct_cpu_write((leaf, None))
+    assert not direct_cpu_write((torch.nn.Parameter(x.float()),))
+    assert direct_cpu_write((x, None, *caches()))

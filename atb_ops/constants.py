@@ -73,5 +73,5 @@ def c0(dtype: torch.dtype) -> int:
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"c0: expected a torch.dtype, got {type(dtype).__name__}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 32 // min(itemsize, 2)
+    # dtype.itemsize, not a probe tensor: c0 runs several times per cache write
+    return 32 // min(dtype.itemsize, 2)

@@ -202,6 +202,19 @@ static inline __m256i codes8_rn(__m256 x, __m256 s) {
     return _mm256_cvtps_epi32(q);
 }
 
+/* x * r with r = RN(1 / s), then codes8_rn's cap and conversion: the division
+   replaced by a product (half the vector work on this loop). A product can round
+   to a different code than the quotient (x / s next to a half-integer), so this
+   only runs for a scale and 16-bit input dtype whose every one of the 65536 input
+   patterns product_exact found to give codes8_rn's code (lane by lane the same
+   instructions on the same value: equal on every input of that dtype). */
+__attribute__((target("avx2,f16c")))
+static inline __m256i codes8_mul(__m256 x, __m256 r) {
+    __m256 q = _mm256_mul_ps(x, r);
+    q = _mm256_min_ps(_mm256_set1_ps(CODE_MAX), q);
+    return _mm256_cvtps_epi32(q);
+}
+
 /* Elements ahead of the current position that the loop prefetches: the rows of
    one call are contiguous in memory, so this fetches the next rows' lines while
    the division of the current ones runs (the hardware prefetcher alone left the
@@ -210,12 +223,13 @@ static inline __m256i codes8_rn(__m256 x, __m256 s) {
 
 /* The codes of src[0:n] under one scale: the 32 codes of element i go to
    out + (i / 32) * ostride (ostride 32: contiguous; the NZ fractal-row stride:
-   straight into the cache). A tail (n % 32) needs ostride == 32. */
+   straight into the cache). A tail (n % 32) needs ostride == 32; it takes the
+   scalar division. mode 0: codes8, 1: codes8_rn, 2: codes8_mul. */
 __attribute__((target("avx2,f16c"), always_inline))
 static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
                                    float scale, int8_t *out, int64_t ostride,
-                                   int rn) {
-    __m256 s = _mm256_set1_ps(scale);
+                                   int mode) {
+    __m256 s = _mm256_set1_ps(mode == 2 ? 1.0f / scale : scale);
     /* packs work per 128-bit lane: this puts the 8 dwords back in order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t es = dtype == 2 ? 4 : 2, i = 0;
@@ -225,7 +239,12 @@ static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
             _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es + 64,
                          _MM_HINT_T0);
         __m256i a, b, c, d;
-        if (rn) {
+        if (mode == 2) {
+            a = codes8_mul(load8(src, dtype, i), s);
+            b = codes8_mul(load8(src, dtype, i + 8), s);
+            c = codes8_mul(load8(src, dtype, i + 16), s);
+            d = codes8_mul(load8(src, dtype, i + 24), s);
+        } else if (mode == 1) {
             a = codes8_rn(load8(src, dtype, i), s);
             b = codes8_rn(load8(src, dtype, i + 8), s);
             c = codes8_rn(load8(src, dtype, i + 16), s);
@@ -246,11 +265,15 @@ static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
                             out + i);
 }
 
-/* One instance per input dtype and rounding path, so the loop has no branch. */
+/* One instance per input dtype and path, so the loop has no branch (mode 2 is
+   only ever chosen for the 16-bit dtypes). */
 __attribute__((target("avx2,f16c")))
 static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
-                       int8_t *out, int64_t ostride, int rn) {
-    if (rn) {
+                       int8_t *out, int64_t ostride, int mode) {
+    if (mode == 2) {
+        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 2);
+        else quant_avx2_impl(src, 1, n, scale, out, ostride, 2);
+    } else if (mode == 1) {
         if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 1);
         else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 1);
         else quant_avx2_impl(src, 2, n, scale, out, ostride, 1);
@@ -261,13 +284,69 @@ static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
     }
 }
 
+/* Whether codes8_mul gives codes8_rn's code for every one of the 65536 bit
+   patterns of a 16-bit dtype (0 fp16, 1 bf16) under scale s: an exhaustive
+   comparison of the two kernel paths, about 0.1 ms, under the caller's MXCSR
+   (the default one, see product_mode). Random absmax / 127 scales pass about 995
+   times in 1000 (a failing one has an input whose quotient lies within the
+   product's rounding error of a half-integer); a scale that fails keeps the
+   division. */
+__attribute__((target("avx2,f16c")))
+static int product_exact(float s, int dtype) {
+    uint16_t pat[1024];
+    int8_t by_div[1024], by_mul[1024];
+    for (int32_t base = 0; base < 65536; base += 1024) {
+        for (int32_t i = 0; i < 1024; i++) pat[i] = (uint16_t)(base + i);
+        quant_avx2(pat, dtype, 1024, s, by_div, 32, 1);
+        quant_avx2(pat, dtype, 1024, s, by_mul, 32, 2);
+        if (memcmp(by_div, by_mul, 1024) != 0) return 0;
+    }
+    return 1;
+}
+
+/* Verdicts of product_exact by (scale bits, dtype), direct-mapped. An entry is
+   one 64-bit word (scale bits << 32 | dtype << 8 | verdict << 1 | 1) read and
+   written atomically, so concurrent callers see a whole entry or a miss. */
+#define EXACT_SLOTS 4096
+static uint64_t exact_cache[EXACT_SLOTS];
+
+__attribute__((target("avx2,f16c")))
+static int product_ok(float s, int dtype) {
+    uint32_t bits;
+    memcpy(&bits, &s, 4);
+    uint64_t key = ((uint64_t)bits << 32) | ((uint64_t)dtype << 8) | 1u;
+    uint32_t slot = ((bits * 2654435761u) >> 20 ^ (uint32_t)dtype) % EXACT_SLOTS;
+    uint64_t e = __atomic_load_n(&exact_cache[slot], __ATOMIC_RELAXED);
+    if ((e & ~(uint64_t)2) == key) return (int)((e >> 1) & 1);
+    int ok = product_exact(s, dtype);
+    __atomic_store_n(&exact_cache[slot], key | ((uint64_t)ok << 1), __ATOMIC_RELAXED);
+    return ok;
+}
+
 static int explicit_round = 0;
+static int use_product = 1;
 
 /* Whether codes8_rn may run: this thread's SSE rounding mode is round to nearest
    even (MXCSR.RC == 0, the default; codes8 names its rounding instead), and the
    tests have not asked for the codes8 path (afa_set_explicit_round). */
 static inline int rounds_to_nearest(void) {
     return !explicit_round && (_mm_getcsr() & 0x6000u) == 0;
+}
+
+/* Whether codes8_mul may be considered: a 16-bit input dtype, the default MXCSR
+   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked;
+   the status flags ignored) so that product_exact's verdicts, all taken under it,
+   hold, and not switched off (afa_set_product). */
+static inline int product_allowed(int dtype) {
+    return use_product && !explicit_round && dtype != 2 &&
+           (_mm_getcsr() & ~0x3fu) == 0x1f80u;
+}
+
+/* The path for one scale: 2 (product, verified), 1 (division, cvtps2dq) or 0. */
+__attribute__((target("avx2,f16c")))
+static inline int quant_mode(float s, int dtype, int rn, int product) {
+    if (product && product_ok(s, dtype)) return 2;
+    return rn;
 }
 #endif
 
@@ -300,10 +379,35 @@ void afa_set_explicit_round(int on) {
 #endif
 }
 
+/* 0: the AVX2 path always divides, 1: it multiplies by the reciprocal for the
+   scales product_exact verified (the default). */
+void afa_set_product(int on) {
+#ifdef HAVE_X86
+    use_product = on != 0;
+#else
+    (void)on;
+#endif
+}
+
+/* Whether the product path runs for scale s and 16-bit dtype (0 fp16, 1 bf16) on
+   this thread: -1 without AVX2, else 0 / 1 (the verdict, checked and cached). */
+int afa_product_exact(float s, int dtype) {
+#ifdef HAVE_X86
+    if (!afa_simd() || (dtype != 0 && dtype != 1)) return -1;
+    return quant_mode(s, dtype, rounds_to_nearest(), product_allowed(dtype)) == 2;
+#else
+    (void)s;
+    (void)dtype;
+    return -1;
+#endif
+}
+
 static void quant(const void *src, int dtype, int64_t n, float s, int8_t *out) {
 #ifdef HAVE_X86
     if (afa_simd()) {
-        quant_avx2(src, dtype, n, s, out, 32, rounds_to_nearest());
+        int rn = rounds_to_nearest();
+        quant_avx2(src, dtype, n, s, out, 32,
+                   quant_mode(s, dtype, rn, product_allowed(dtype)));
         return;
     }
 #endif
@@ -350,7 +454,12 @@ int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
     if (w > ROW_MAX) return -1;
 #ifdef HAVE_X86
     if (afa_simd() && (run == 0 || (run == 32 && D % 32 == 0))) {
-        int rn = rounds_to_nearest();
+        /* the path of each head's scale, chosen once per call (up to 256 heads;
+           more heads, a rare shape, keep the division) */
+        int rn = rounds_to_nearest(), mode[256];
+        int product = H <= 256 && product_allowed(dtype);
+        for (int64_t h = 0; h < H && h < 256; h++)
+            mode[h] = quant_mode(scale[h], dtype, rn, product);
         for (int64_t t = 0; t < T; t++) {
             int64_t s = slot_at(slots, wide, t);
             if (s < 0) continue;
@@ -359,14 +468,15 @@ int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
                 int8_t *dst = cache + s * w;
                 for (int64_t h = 0; h < H; h++)
                     quant_avx2(x + h * D * es, dtype, D, scale[h], dst + h * D, 32,
-                               rn);
+                               H <= 256 ? mode[h] : rn);
             } else {
                 /* fractal row j of the token at ((blk * n1 + j) * bs + r) * 32 */
                 int64_t blk = s / bs, r = s - blk * bs, n1 = w / 32;
                 int8_t *base = cache + (blk * n1 * bs + r) * 32;
                 for (int64_t h = 0; h < H; h++)
                     quant_avx2(x + h * D * es, dtype, D, scale[h],
-                               base + (h * D / 32) * bs * 32, bs * 32, rn);
+                               base + (h * D / 32) * bs * 32, bs * 32,
+                               H <= 256 ? mode[h] : rn);
             }
         }
         return 0;
@@ -753,6 +863,10 @@ class NativeKernels:
         lib.afa_set_simd.restype = None
         lib.afa_set_explicit_round.argtypes = [c_int]
         lib.afa_set_explicit_round.restype = None
+        lib.afa_set_product.argtypes = [c_int]
+        lib.afa_set_product.restype = None
+        lib.afa_product_exact.argtypes = [ctypes.c_float, c_int]
+        lib.afa_product_exact.restype = c_int
         self._lib = lib
         self.simd = bool(lib.afa_simd())
 
@@ -770,6 +884,19 @@ class NativeKernels:
         takes) instead of the conversion under the default MXCSR (``False``, the
         default); both give the same codes, the tests run both."""
         self._lib.afa_set_explicit_round(int(enabled))
+
+    def set_product(self, enabled: bool) -> None:
+        """Let the AVX2 quantizer multiply by the reciprocal for scales whose
+        product codes were verified equal on every 16-bit input (``True``, the
+        default) or always divide (``False``); the tests run both."""
+        self._lib.afa_set_product(int(enabled))
+
+    def product_exact(self, scale: float, dtype: torch.dtype) -> bool | None:
+        """Whether the quantizer runs the verified product path for ``scale`` and
+        16-bit ``dtype`` on this thread (None: no AVX2 path or another dtype)."""
+        code = _DTYPE_CODES.get(dtype, -1)
+        rc = self._lib.afa_product_exact(scale, code if code in (0, 1) else -1)
+        return None if rc < 0 else bool(rc)
 
     def quant_write(
         self,

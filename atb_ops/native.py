@@ -503,33 +503,50 @@ int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
    other pattern takes one bit per slot when num_slots <= max_bits. */
 int64_t afa_repeated_slot(const void *slots, int wide, int64_t n, int64_t num_slots,
                           int64_t bs, int64_t max_bits) {
-    int64_t k = 0, start = 0, runs = 1;
-    for (int64_t t = 0; t < n && runs; t++) {
-        int64_t v = slot_at(slots, wide, t);
-        if (v < 0) continue;
-        if (k % bs == 0) {
-            start = v;
-            runs = v % bs == 0;
-        } else {
-            runs = v == start + k % bs;
-        }
-        k++;
-    }
-    int64_t bits = runs ? (num_slots + bs - 1) / bs : num_slots;
-    if (!runs && num_slots > max_bits) return -2;
-    uint8_t *seen = calloc((size_t)(bits / 8 + 1), 1);
+    /* whole blocks: one bit per block, marked at each group's first slot; the
+       position in the group is counted, so only a group's first slot takes a
+       (slow, 64-bit) division */
+    uint8_t *seen = calloc((size_t)((num_slots + bs - 1) / bs / 8 + 1), 1);
     if (seen == NULL) return -3;
-    int64_t found = -1;
+    int64_t pos = 0, start = 0, found = -1;
+    int runs = 1;
     for (int64_t t = 0; t < n; t++) {
         int64_t v = slot_at(slots, wide, t);
         if (v < 0) continue;
-        int64_t b = runs ? v / bs : v;
-        if (runs && v % bs) continue; /* only a run's first slot marks its block */
-        uint8_t bit = (uint8_t)(1u << (b & 7));
-        if (seen[b >> 3] & bit) {
+        if (pos == 0) {
+            if (v % bs != 0) {
+                runs = 0;
+                break;
+            }
+            start = v;
+            int64_t b = v / bs;
+            uint8_t bit = (uint8_t)(1u << (b & 7));
+            if (seen[b >> 3] & bit) {
+                if (found < 0 || v < found) found = v;
+            } else {
+                seen[b >> 3] |= bit;
+            }
+        } else if (v != start + pos) {
+            runs = 0;
+            break;
+        }
+        if (++pos == bs) pos = 0;
+    }
+    free(seen);
+    if (runs) return found;
+    if (num_slots > max_bits) return -2;
+    /* any other pattern: one bit per slot */
+    seen = calloc((size_t)(num_slots / 8 + 1), 1);
+    if (seen == NULL) return -3;
+    found = -1;
+    for (int64_t t = 0; t < n; t++) {
+        int64_t v = slot_at(slots, wide, t);
+        if (v < 0) continue;
+        uint8_t bit = (uint8_t)(1u << (v & 7));
+        if (seen[v >> 3] & bit) {
             if (found < 0 || v < found) found = v;
         } else {
-            seen[b >> 3] |= bit;
+            seen[v >> 3] |= bit;
         }
     }
     free(seen);

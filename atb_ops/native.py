@@ -140,6 +140,10 @@ static inline float bf16_to_f32(uint16_t h) {
     return f;
 }
 
+static inline int64_t slot_at(const void *slots, int wide, int64_t t) {
+    return wide ? ((const int64_t *)slots)[t] : ((const int32_t *)slots)[t];
+}
+
 static inline float load1(const void *src, int dtype, int64_t i) {
     if (dtype == 0) return f16_to_f32(((const uint16_t *)src)[i]);
     if (dtype == 1) return bf16_to_f32(((const uint16_t *)src)[i]);
@@ -282,6 +286,86 @@ static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
         else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 0);
         else quant_avx2_impl(src, 2, n, scale, out, ostride, 0);
     }
+}
+
+/* Every token of a write in one loop (D % 32 == 0, every head on the same path):
+   the 32 codes of chunk j of a token's row go to base + j * ostride (ND: the
+   row at its slot, ostride 32; NZ: fractal row j, ostride bs * 32). fac holds
+   each head's scale (modes 0, 1) or its reciprocal (mode 2), so the per-head
+   constant is formed once per call, not once per token and head. */
+__attribute__((target("avx2,f16c"), always_inline))
+static inline void rows_avx2_impl(const void *src, int dtype, int64_t T, int64_t H,
+                                  int64_t D, const float *fac, const void *slots,
+                                  int wide, int8_t *cache, int64_t bs, int64_t run,
+                                  int mode) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t w = H * D, es = dtype == 2 ? 4 : 2, n1 = w / 32;
+    int64_t ostride = run == 0 ? 32 : bs * 32;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slot_at(slots, wide, t);
+        if (slot < 0) continue;
+        const char *x = (const char *)src + t * w * es;
+        int8_t *base;
+        if (run == 0) {
+            base = cache + slot * w;
+        } else {
+            int64_t blk = slot / bs;
+            base = cache + (blk * n1 * bs + (slot - blk * bs)) * 32;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            __m256 f = _mm256_set1_ps(fac[h]);
+            const char *xh = x + h * D * es;
+            int8_t *oh = base + (h * D / 32) * ostride;
+            for (int64_t i = 0; i < D; i += 32) {
+                _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
+                if (es == 4)
+                    _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es + 64, _MM_HINT_T0);
+                __m256i a, b, c, d;
+                if (mode == 2) {
+                    a = codes8_mul(load8(xh, dtype, i), f);
+                    b = codes8_mul(load8(xh, dtype, i + 8), f);
+                    c = codes8_mul(load8(xh, dtype, i + 16), f);
+                    d = codes8_mul(load8(xh, dtype, i + 24), f);
+                } else if (mode == 1) {
+                    a = codes8_rn(load8(xh, dtype, i), f);
+                    b = codes8_rn(load8(xh, dtype, i + 8), f);
+                    c = codes8_rn(load8(xh, dtype, i + 16), f);
+                    d = codes8_rn(load8(xh, dtype, i + 24), f);
+                } else {
+                    a = codes8(load8(xh, dtype, i), f);
+                    b = codes8(load8(xh, dtype, i + 8), f);
+                    c = codes8(load8(xh, dtype, i + 16), f);
+                    d = codes8(load8(xh, dtype, i + 24), f);
+                }
+                __m256i ab = _mm256_packs_epi32(a, b);
+                __m256i cd = _mm256_packs_epi32(c, d);
+                __m256i abcd = _mm256_packs_epi16(ab, cd);
+                _mm256_storeu_si256((__m256i *)(oh + (i / 32) * ostride),
+                                    _mm256_permutevar8x32_epi32(abcd, order));
+            }
+        }
+    }
+}
+
+__attribute__((target("avx2,f16c")))
+static void rows_avx2(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
+                      const float *fac, const void *slots, int wide, int8_t *cache,
+                      int64_t bs, int64_t run, int mode) {
+#define ROWS(dt, m) \
+    rows_avx2_impl(src, dt, T, H, D, fac, slots, wide, cache, bs, run, m)
+    if (mode == 2) {
+        if (dtype == 0) ROWS(0, 2);
+        else ROWS(1, 2);
+    } else if (mode == 1) {
+        if (dtype == 0) ROWS(0, 1);
+        else if (dtype == 1) ROWS(1, 1);
+        else ROWS(2, 1);
+    } else {
+        if (dtype == 0) ROWS(0, 0);
+        else if (dtype == 1) ROWS(1, 0);
+        else ROWS(2, 0);
+    }
+#undef ROWS
 }
 
 /* Whether codes8_mul gives codes8_rn's code for every one of the 65536 bit
@@ -437,10 +521,6 @@ static inline void put(uint8_t *cache, const uint8_t *row, int64_t slot,
     }
 }
 
-static inline int64_t slot_at(const void *slots, int wide, int64_t t) {
-    return wide ? ((const int64_t *)slots)[t] : ((const int32_t *)slots)[t];
-}
-
 /* src [T, H, D] (dtype 0 fp16, 1 bf16, 2 fp32), scale [H] fp32 -> int8 codes of
    every token with slot >= 0 written to cache. On the AVX2 path the codes go
    straight to the cache: an ND row is contiguous at its slot, and with D % 32 == 0
@@ -456,10 +536,18 @@ int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
     if (afa_simd() && (run == 0 || (run == 32 && D % 32 == 0))) {
         /* the path of each head's scale, chosen once per call (up to 256 heads;
            more heads, a rare shape, keep the division) */
-        int rn = rounds_to_nearest(), mode[256];
+        int rn = rounds_to_nearest(), mode[256], same = H <= 256;
+        float fac[256];
         int product = H <= 256 && product_allowed(dtype);
-        for (int64_t h = 0; h < H && h < 256; h++)
+        for (int64_t h = 0; h < H && h < 256; h++) {
             mode[h] = quant_mode(scale[h], dtype, rn, product);
+            fac[h] = mode[h] == 2 ? 1.0f / scale[h] : scale[h];
+            same = same && mode[h] == mode[0];
+        }
+        if (same && D % 32 == 0) {
+            rows_avx2(src, dtype, T, H, D, fac, slots, wide, cache, bs, run, mode[0]);
+            return 0;
+        }
         for (int64_t t = 0; t < T; t++) {
             int64_t s = slot_at(slots, wide, t);
             if (s < 0) continue;

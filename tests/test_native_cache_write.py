@@ -160,6 +160,36 @@ def test_product_path_only_for_verified_scales(kernels, rng):
             assert torch.equal(got, want), (dtype, s)
 
 
+@pytest.mark.parametrize("layout", ["nz", "nd"])
+def test_heads_on_different_paths_equal_reference(kernels, rng, layout):
+    """A write whose heads' scales take different paths (one verified for the
+    product, one that failed the check and divides) equals the golden loop."""
+    if not kernels.set_simd(True):
+        pytest.skip("this CPU has no AVX2 + F16C")
+    kernels.set_product(True)
+    failing = None
+    while failing is None:
+        s = float((torch.rand(1, generator=rng) * 20 + 0.5) / 127)
+        if not kernels.product_exact(s, torch.float16):
+            failing = s
+    scales = torch.tensor([0.02, failing, 0.027])
+    paths = [kernels.product_exact(float(v), torch.float16) for v in scales]
+    assert paths == [True, False, True]
+    t, hkv, d, bs, nb = 70, 3, 64, 32, 4
+    x = (torch.randn(t, hkv, d, generator=rng) * 2).half()
+    shape = (
+        nz_cache_shape(nb, bs, hkv, d, torch.int8)
+        if layout == "nz"
+        else (nb, bs, hkv, d)
+    )
+    caches = [torch.full(shape, 7, dtype=torch.int8) for _ in range(4)]
+    slots = _slots(rng, "scattered", t, nb, bs)
+    kw = dict(k_scale=scales, v_scale=scales, layout=layout)
+    reshape_and_cache(x, x, caches[0], caches[1], slots, **kw)
+    reshape_and_cache_ref(x, x, caches[2], caches[3], slots, scales, scales, layout)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def _repeated_naive(slots: list[int]) -> int | None:
     """The smallest slot listed twice among the non-negative ones (a plain loop)."""
     seen, twice = set(), []
@@ -230,6 +260,8 @@ CASES = [
     (torch.bfloat16, True, "nz", 3, 64, 64),
     (torch.float32, True, "nz", 1, 64, 32),
     (torch.float16, True, "nd", 2, 20, 32),
+    (torch.float16, True, "nd", 2, 64, 32),
+    (torch.float32, True, "nd", 3, 32, 32),
     (torch.bfloat16, True, "nd", 4, 33, 32),
     (torch.float16, False, "nz", 2, 24, 16),
     (torch.bfloat16, False, "nd", 3, 20, 16),

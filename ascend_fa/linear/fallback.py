@@ -10,7 +10,8 @@ float (after smoothing, exact in float), ``y_q`` with the groups quantized. It i
 the error of what the layer adds to the residual stream, relative to what it adds,
 so it compares across layers and models. Each group's **gain** is how much ``E``
 drops when that group alone is float. While ``E > layer_budget`` the group with
-the largest positive gain is kept float (and ``E`` measured again), as long as
+the largest positive gain per linear (the cap counts linears: q/k/v costs three,
+down_proj one) is kept float (and ``E`` measured again), as long as
 the float linears of the whole model stay within the cap: ``fallback = N`` at most
 ``N`` linears, ``"auto"`` at most ``max_float_fraction`` of them. Layers are
 decided in order, so the cap is filled by the first layers that need it.
@@ -207,7 +208,14 @@ class LayerFallback:
         err = error(chosen)
         for i, r in enumerate(live):
             r.layer_gain = err - error({i})
-        order = sorted(range(len(live)), key=lambda i: -(live[i].layer_gain or 0.0))
+        # The cap counts linears, so the greedy choice is the gain per linear kept
+        # float: a single down_proj that removes as much error as the three q/k/v
+        # linears is the better spend (on SmolLM2, static down_proj inputs hold
+        # nearly all of the static W8A8 error, spread over every layer).
+        order = sorted(
+            range(len(live)),
+            key=lambda i: -(live[i].layer_gain or 0.0) / len(live[i].group.linears),
+        )
         for i in order:
             if err <= self.config.layer_budget:
                 break

@@ -197,34 +197,40 @@ def decide_group(
     norm = float(ref.square().sum()) or 1.0
     w_absmax = w.abs().amax(dim=0)
 
-    def error(s: torch.Tensor | None, clip: float) -> tuple[float, float, float]:
-        xs, ws = (x, w) if s is None else (x / s, w * s)
+    def error(
+        s: torch.Tensor | None, wq_t: torch.Tensor, clip: float
+    ) -> tuple[float, float, float]:
+        xs = x if s is None else x / s
         if s is None:
             lo, hi = lo_all, hi_all
         else:
             lo, hi = float((stats.cmin / s).min()), float((stats.cmax / s).max())
         lo, hi = clip * lo, clip * hi
         xq = _fq_dynamic(xs) if dynamic else _fq_static(xs, lo, hi, dtype)
-        err = float((xq @ _fq_weight(ws, dtype).t() - ref).square().sum())
+        err = float((xq @ wq_t - ref).square().sum())
         return err, lo, hi
 
     best: tuple[float, float | None, torch.Tensor | None, float, float, float] | None
     best = None
+    best_wq: torch.Tensor | None = None
     for alpha in alphas:
         s = None
         if alpha is not None:
             s = smooth_factors(
                 stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
             )
-        err, lo, hi = error(s, 1.0)
+        # The weights' fake-quant depends on the smoothing only: made once per
+        # alpha and reused by the whole clip grid (same decisions, less time).
+        wq_t = _fq_weight(w if s is None else w * s, dtype).t()
+        err, lo, hi = error(s, wq_t, 1.0)
         if best is None or err < best[0]:
-            best = (err, alpha, s, 1.0, lo, hi)
-    assert best is not None
+            best, best_wq = (err, alpha, s, 1.0, lo, hi), wq_t
+    assert best is not None and best_wq is not None
     if not dynamic:
         for clip in clips:
             if clip == 1.0:
                 continue
-            err, lo, hi = error(best[2], clip)
+            err, lo, hi = error(best[2], best_wq, clip)
             if err < best[0]:
                 best = (err, best[1], best[2], clip, lo, hi)
     err, alpha, s, clip, lo, hi = best

@@ -845,6 +845,43 @@ def _write_native(
     return True
 
 
+def _write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    layout: str,
+) -> None:
+    """The GQA cache write, shared by the op and the direct CPU call."""
+    _write_all(
+        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+    )
+
+
+def _write_mla(
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    layout: str,
+) -> None:
+    """The MLA cache write (one latent "head", one rope "head"), shared by the op
+    and the direct CPU call."""
+    _write_all(
+        [
+            (latent_cache, latent.unsqueeze(1), k_scale),
+            (rope_cache, rope.unsqueeze(1), None),
+        ],
+        slot_mapping,
+        layout,
+    )
+
+
 def direct_cpu_write(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     """Whether a validated cache write may run its CPU implementation
     (:func:`reshape_and_cache_cpu`) directly instead of through
@@ -894,8 +931,8 @@ def reshape_and_cache_cpu(
 ) -> None:
     """``ascend_fa::reshape_and_cache``'s CPU implementation called directly, for
     arguments :func:`direct_cpu_write` accepts (validated by the caller)."""
-    _write_all(
-        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+    _write_kv(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
     )
     _bump_versions(key_cache, value_cache)
 
@@ -911,14 +948,7 @@ def reshape_and_cache_mla_cpu(
 ) -> None:
     """``ascend_fa::reshape_and_cache_mla``'s CPU implementation called directly
     (see :func:`reshape_and_cache_cpu`)."""
-    _write_all(
-        [
-            (latent_cache, latent.unsqueeze(1), k_scale),
-            (rope_cache, rope.unsqueeze(1), None),
-        ],
-        slot_mapping,
-        layout,
-    )
+    _write_mla(latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout)
     _bump_versions(latent_cache, rope_cache)
 
 
@@ -935,8 +965,8 @@ def _reshape_and_cache_op(
     v_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    _write_all(
-        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+    _write_kv(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
     )
 
 
@@ -959,14 +989,7 @@ def _reshape_and_cache_mla_op(
     k_scale: torch.Tensor | None,
     layout: str,
 ) -> None:
-    _write_all(
-        [
-            (latent_cache, latent.unsqueeze(1), k_scale),
-            (rope_cache, rope.unsqueeze(1), None),
-        ],
-        slot_mapping,
-        layout,
-    )
+    _write_mla(latent, rope, latent_cache, rope_cache, slot_mapping, k_scale, layout)
 
 
 @_reshape_and_cache_mla_op.register_fake

@@ -219,6 +219,36 @@ static inline __m256i codes8_mul(__m256 x, __m256 r) {
     return _mm256_cvtps_epi32(q);
 }
 
+/* The 32 codes of src[i:i + 32] in order (mode 0: codes8, 1: codes8_rn, 2:
+   codes8_mul with s the reciprocal): four 8-lane conversions and the saturating
+   packs, which work per 128-bit lane; the permute puts the 8 dwords back in order. */
+__attribute__((target("avx2,f16c"), always_inline))
+static inline __m256i codes32(const void *src, int dtype, int64_t i, __m256 s,
+                              int mode) {
+    __m256i a, b, c, d;
+    if (mode == 2) {
+        a = codes8_mul(load8(src, dtype, i), s);
+        b = codes8_mul(load8(src, dtype, i + 8), s);
+        c = codes8_mul(load8(src, dtype, i + 16), s);
+        d = codes8_mul(load8(src, dtype, i + 24), s);
+    } else if (mode == 1) {
+        a = codes8_rn(load8(src, dtype, i), s);
+        b = codes8_rn(load8(src, dtype, i + 8), s);
+        c = codes8_rn(load8(src, dtype, i + 16), s);
+        d = codes8_rn(load8(src, dtype, i + 24), s);
+    } else {
+        a = codes8(load8(src, dtype, i), s);
+        b = codes8(load8(src, dtype, i + 8), s);
+        c = codes8(load8(src, dtype, i + 16), s);
+        d = codes8(load8(src, dtype, i + 24), s);
+    }
+    __m256i ab = _mm256_packs_epi32(a, b);
+    __m256i cd = _mm256_packs_epi32(c, d);
+    __m256i abcd = _mm256_packs_epi16(ab, cd);
+    return _mm256_permutevar8x32_epi32(
+        abcd, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* Elements ahead of the current position that the loop prefetches: the rows of
    one call are contiguous in memory, so this fetches the next rows' lines while
    the division of the current ones runs (the hardware prefetcher alone left the
@@ -234,36 +264,14 @@ static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
                                    float scale, int8_t *out, int64_t ostride,
                                    int mode) {
     __m256 s = _mm256_set1_ps(mode == 2 ? 1.0f / scale : scale);
-    /* packs work per 128-bit lane: this puts the 8 dwords back in order */
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t es = dtype == 2 ? 4 : 2, i = 0;
     for (; i + 32 <= n; i += 32) {
         _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
         if (es == 4)
             _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es + 64,
                          _MM_HINT_T0);
-        __m256i a, b, c, d;
-        if (mode == 2) {
-            a = codes8_mul(load8(src, dtype, i), s);
-            b = codes8_mul(load8(src, dtype, i + 8), s);
-            c = codes8_mul(load8(src, dtype, i + 16), s);
-            d = codes8_mul(load8(src, dtype, i + 24), s);
-        } else if (mode == 1) {
-            a = codes8_rn(load8(src, dtype, i), s);
-            b = codes8_rn(load8(src, dtype, i + 8), s);
-            c = codes8_rn(load8(src, dtype, i + 16), s);
-            d = codes8_rn(load8(src, dtype, i + 24), s);
-        } else {
-            a = codes8(load8(src, dtype, i), s);
-            b = codes8(load8(src, dtype, i + 8), s);
-            c = codes8(load8(src, dtype, i + 16), s);
-            d = codes8(load8(src, dtype, i + 24), s);
-        }
-        __m256i ab = _mm256_packs_epi32(a, b);
-        __m256i cd = _mm256_packs_epi32(c, d);
-        __m256i abcd = _mm256_packs_epi16(ab, cd);
         _mm256_storeu_si256((__m256i *)(out + (i / 32) * ostride),
-                            _mm256_permutevar8x32_epi32(abcd, order));
+                            codes32(src, dtype, i, s, mode));
     }
     if (i < n) quant_scalar((const char *)src + i * es, dtype, n - i, scale,
                             out + i);
@@ -298,7 +306,6 @@ static inline void rows_avx2_impl(const void *src, int dtype, int64_t T, int64_t
                                   int64_t D, const float *fac, const void *slots,
                                   int wide, int8_t *cache, int64_t bs, int64_t run,
                                   int mode) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     int64_t w = H * D, es = dtype == 2 ? 4 : 2, n1 = w / 32;
     int64_t ostride = run == 0 ? 32 : bs * 32;
     for (int64_t t = 0; t < T; t++) {
@@ -320,28 +327,8 @@ static inline void rows_avx2_impl(const void *src, int dtype, int64_t T, int64_t
                 _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
                 if (es == 4)
                     _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es + 64, _MM_HINT_T0);
-                __m256i a, b, c, d;
-                if (mode == 2) {
-                    a = codes8_mul(load8(xh, dtype, i), f);
-                    b = codes8_mul(load8(xh, dtype, i + 8), f);
-                    c = codes8_mul(load8(xh, dtype, i + 16), f);
-                    d = codes8_mul(load8(xh, dtype, i + 24), f);
-                } else if (mode == 1) {
-                    a = codes8_rn(load8(xh, dtype, i), f);
-                    b = codes8_rn(load8(xh, dtype, i + 8), f);
-                    c = codes8_rn(load8(xh, dtype, i + 16), f);
-                    d = codes8_rn(load8(xh, dtype, i + 24), f);
-                } else {
-                    a = codes8(load8(xh, dtype, i), f);
-                    b = codes8(load8(xh, dtype, i + 8), f);
-                    c = codes8(load8(xh, dtype, i + 16), f);
-                    d = codes8(load8(xh, dtype, i + 24), f);
-                }
-                __m256i ab = _mm256_packs_epi32(a, b);
-                __m256i cd = _mm256_packs_epi32(c, d);
-                __m256i abcd = _mm256_packs_epi16(ab, cd);
                 _mm256_storeu_si256((__m256i *)(oh + (i / 32) * ostride),
-                                    _mm256_permutevar8x32_epi32(abcd, order));
+                                    codes32(xh, dtype, i, f, mode));
             }
         }
     }

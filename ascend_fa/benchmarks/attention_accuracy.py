@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from ascend_fa.linear import artifact_model
     from ascend_fa.transforms.attention import (
-        STATS_SAMPLES,
-        apply_attention_transforms,
+        LayerwiseTransforms,
         parse_transforms,
     )
 
@@ -142,15 +141,13 @@ def run(args: argparse.Namespace) -> int:
         for i, (name, (transforms, recipe)) in enumerate(rows.items()):
             m = copy.deepcopy(net)
             t = time.perf_counter()
-            folded = None
+            # As calibrate runs them with float linears: folded inside the
+            # layer-major FA pass.
+            in_pass = None
             if transforms:
-                folded = apply_attention_transforms(
-                    m,
-                    batches(calib[:STATS_SAMPLES]),
-                    parse_transforms(transforms),
-                    seed=args.seed,
+                in_pass = LayerwiseTransforms(
+                    m, parse_transforms(transforms), seed=args.seed
                 )
-            t_fold = time.perf_counter() - t
             res = calibrate_model(
                 m,
                 tok,
@@ -159,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
                 max_length=length,
                 batch_size=args.batch_size,
                 progress=False,
+                before_layer=in_pass,
             )
             secs = time.perf_counter() - t
+            folded = in_pass.result() if in_pass is not None else None
+            t_fold = folded.seconds if folded is not None else 0.0
             scales = res.export_scales(m)
             res.remove(m)
             out = Path(tmp) / f"artifact{i}"

@@ -236,6 +236,7 @@ def calibrate(
 
     from .data import load_calib_texts, split_calibration
     from .kv import KVCalibration, KVQuantSpec, recipe_settings
+    from .layerwise import layerwise_supported
     from .pipeline import calibrate_model, calibration_batches
     from .recipe import load_recipe
     from .report import build_report, heldout_report
@@ -402,21 +403,36 @@ def calibrate(
         if merge_into is not None:
             artifact.check_merge_export(merge_into, net.config.to_dict())
         transform_result = None
+        # With float linears and one process the transforms fold inside the
+        # layer-major FA pass (no statistics forward of their own); quantized
+        # linears must see the folded weights, so they are folded first there, as
+        # they are for a data-parallel run (whose ranks see different rows) and
+        # for the clip search's batch-major pass.
+        in_pass = None
         if transform_names:
             from ascend_fa.transforms.attention import (
                 STATS_SAMPLES,
+                LayerwiseTransforms,
                 apply_attention_transforms,
             )
 
-            # Folded before the linears and the FA scales, so both see the folded
-            # weights; the statistics forward runs on the original float model.
-            transform_result = apply_attention_transforms(
-                net,
-                batches_of(calib[:STATS_SAMPLES]),
-                transform_names,
-                seed=seed,
-            )
-            seconds["transforms"] = transform_result.seconds
+            if (
+                linear_type == "FLOAT"
+                and not clip_search
+                and parallel.world_size() == 1
+                and layerwise_supported(net)
+            ):
+                in_pass = LayerwiseTransforms(net, transform_names, seed=seed)
+            else:
+                # Folded before the linears and the FA scales, so both see the
+                # folded weights; the statistics forward runs on the float model.
+                transform_result = apply_attention_transforms(
+                    net,
+                    batches_of(calib[:STATS_SAMPLES]),
+                    transform_names,
+                    seed=seed,
+                )
+                seconds["transforms"] = transform_result.seconds
         linear_result = None
         if linear_type != "FLOAT":
             from ascend_fa.linear import LinearConfig
@@ -476,9 +492,13 @@ def calibrate(
                 calib,
                 layerwise=streaming,
                 checkpoint=resume,
+                before_layer=in_pass,
                 **kwargs,
             )
         seconds["calibrate"] = time.perf_counter() - t0
+        if in_pass is not None:
+            transform_result = in_pass.result()
+            seconds["transforms"] = transform_result.seconds
         scales = result.export_scales(net)
         kv_scales = kv.scales(kv_strategy) if kv is not None else None
         budget_result = None

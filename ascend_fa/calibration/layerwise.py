@@ -39,6 +39,7 @@ from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs
 from .observers import PerHeadObserver
 
 __all__ = [
+    "BeforeLayer",
     "LayerCheckpoint",
     "LayerProgress",
     "decoder_stack",
@@ -92,6 +93,19 @@ class LayerCheckpoint(Protocol):
     def save(self, layer: int, model: nn.Module, inputs: list[LayerInputs]) -> None:
         """Persist layer ``layer``'s observers and its outputs ``inputs``."""
         ...
+
+
+class BeforeLayer(Protocol):
+    """A step :func:`run_layerwise` runs before decoder layer ``index`` observes:
+    the layer, every batch's ``(hidden, kwargs, keep)`` inputs and padding mask."""
+
+    def __call__(
+        self,
+        index: int,
+        layer: nn.Module,
+        inputs: list[LayerInputs],
+        masks: list[torch.Tensor | None],
+    ) -> None: ...
 
 
 def memory_mib() -> tuple[float, float]:
@@ -188,12 +202,15 @@ def run_layerwise(
     *,
     progress: Any = None,
     checkpoint: LayerCheckpoint | None = None,
+    before_layer: BeforeLayer | None = None,
 ) -> int:
     """Run ``batches`` through ``model``'s decoder layers layer-major (see the
     module doc; check :func:`layerwise_supported` first). The FA points observe
     exactly what the batch-major loop shows them; the final norm and the head do
     not run. ``progress`` (``update(1)`` per layer, ``restart(k)`` on resume);
-    ``checkpoint`` is restored before the first layer and saved after each one.
+    ``checkpoint`` is restored before the first layer and saved after each one;
+    ``before_layer(i, layer, inputs, masks)`` runs before layer ``i`` observes
+    (e.g. :class:`~ascend_fa.transforms.attention.LayerwiseTransforms`).
     Returns the number of rows per layer."""
     layers = decoder_stack(model)
     if layers is None:
@@ -206,6 +223,8 @@ def run_layerwise(
         progress.restart(start)
     for i in range(start, len(layers)):
         layer = layers[i]
+        if before_layer is not None:
+            before_layer(i, layer, inputs, masks)
         for j, (hidden, kwargs, keep) in enumerate(inputs):
             with token_mask_scope(model, masks[j]):
                 out = layer(hidden, **kwargs)

@@ -21,6 +21,7 @@ from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
 
 from .distributed import all_reduce_observer, is_distributed
 from .layerwise import (
+    BeforeLayer,
     LayerCheckpoint,
     LayerProgress,
     decoder_stack,
@@ -165,6 +166,7 @@ def calibrate_model(
     progress: bool = True,
     layerwise: bool = False,
     checkpoint: LayerCheckpoint | None = None,
+    before_layer: BeforeLayer | None = None,
 ) -> CalibratedModel:
     """Inject, observe ``texts``, fake-quantize.
 
@@ -177,7 +179,10 @@ def calibrate_model(
     scales, bit for bit; each decoder layer runs once over all batches, which a
     streamed model reads once) where the model allows it; ``checkpoint`` (a
     resumable run, :mod:`.resume`) is restored before the first layer and saved
-    after each. Progress is then one line per layer.
+    after each. Progress is then one line per layer. ``before_layer`` (layer-major
+    only; it forces ``layerwise``) runs before each decoder layer observes — the
+    attention transforms fold there (:class:`~ascend_fa.transforms.attention.
+    LayerwiseTransforms`); a model that cannot run layer-major raises ValueError.
     """
     from ascend_fa.adapters import get_adapter
 
@@ -205,6 +210,13 @@ def calibrate_model(
     batches = calibration_batches(
         tokenizer, mine, max_length=max_length, batch_size=batch_size, device=device
     )
+    if before_layer is not None:
+        if not layerwise_supported(model):
+            raise ValueError(
+                f"{type(model).__name__}: a before-layer step needs the layer-major "
+                "pass, which this model's decoder stack does not allow"
+            )
+        layerwise = True
     layerwise = layerwise and layerwise_supported(model)
     bar: Any = None
     if progress and layerwise:
@@ -218,7 +230,13 @@ def calibrate_model(
     try:
         with swap:
             if layerwise:
-                run_layerwise(model, batches, progress=bar, checkpoint=checkpoint)
+                run_layerwise(
+                    model,
+                    batches,
+                    progress=bar,
+                    checkpoint=checkpoint,
+                    before_layer=before_layer,
+                )
             else:
                 run_forwards(model, batches, progress=bar)
     finally:

@@ -64,6 +64,7 @@ __all__ = [
     "SMOOTHING_EXPONENTS",
     "STATS_SAMPLES",
     "LayerTransform",
+    "LayerwiseTransforms",
     "TransformResult",
     "apply_attention_transforms",
     "fold_qk_smoothing",
@@ -432,6 +433,54 @@ def _observed(stats: dict[str, dict[str, Any]], name: str) -> tuple[Any, Any]:
     return st["fa_q"], st["fa_k"]
 
 
+def _decide(
+    layer: LayerTransform, module: nn.Module, q: Any, k: Any, mla: bool
+) -> None:
+    """Search ``qk-smoothing``'s exponent of one attention module from its Q / K
+    (MLA: absorbed query / latent) statistics points ``q`` / ``k``."""
+    if mla:
+        beta, s, errors = latent_smoothing_factors(
+            q.abs_max, k.abs_max, q.sample, k.sample, scaling=float(module.scaling)
+        )
+    else:
+        beta, s, errors = smoothing_factors(
+            q.pair_max,
+            k.pair_max,
+            q.sample,
+            k.sample,
+            shared=_qk_norms(module) is not None,
+        )
+    layer.qk_exponent, layer.qk_errors = beta, errors
+    layer.qk_factors = s if beta != 0.0 else None
+
+
+def _fold_smoothing(layer: LayerTransform, module: nn.Module, mla: bool) -> None:
+    if layer.qk_factors is None:
+        return
+    if mla:
+        fold_latent_smoothing(module, layer.qk_factors)
+    else:
+        fold_qk_smoothing(module, layer.qk_factors)
+
+
+def _prepare(
+    model: nn.Module, transforms: Sequence[str]
+) -> tuple[tuple[str, ...], list[tuple[str, nn.Module]], bool]:
+    """Parse and check ``transforms`` for ``model``: ``(names, attention modules,
+    mla)``; a refusal raises before anything is changed."""
+    from ascend_fa.adapters import get_adapter
+
+    names = parse_transforms(list(transforms))
+    modules = get_adapter(model).attention_modules(model)
+    _check_supported(model, modules, names)
+    mla = _is_mla(model)
+    if not mla:
+        for _, module in modules:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                _linear(module, proj)
+    return names, modules, mla
+
+
 def apply_attention_transforms(
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
@@ -442,63 +491,144 @@ def apply_attention_transforms(
     """Fold ``transforms`` (names from :func:`parse_transforms`) into every
     attention module of ``model`` in place; ``batches`` (tokenized calibration
     batches) feed the Q / K statistics of ``qk-smoothing`` (one float forward
-    before anything is folded). Raises ``UnsupportedError`` for MLA models and
-    for quantized projections."""
-    from ascend_fa.adapters import get_adapter
-
+    before anything is folded). Raises ``UnsupportedError`` for what the
+    transforms cannot fold (see :func:`_check_supported`).
+    :class:`LayerwiseTransforms` reaches the same decisions inside a layer-major
+    calibration pass, without this extra forward."""
     t0 = time.perf_counter()
-    names = parse_transforms(list(transforms))
-    modules = get_adapter(model).attention_modules(model)
-    _check_supported(model, modules, names)
-    mla = _is_mla(model)
-    if mla:
-        return _apply_latent(model, modules, batches, names, seed, t0)
-    for _, module in modules:
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            _linear(module, proj)
+    names, modules, mla = _prepare(model, transforms)
     layers = [LayerTransform(name, i) for i, (name, _) in enumerate(modules)]
-    stats = _qk_statistics(model, batches) if "qk-smoothing" in names else {}
-    # Every decision first, then every fold: a refusal leaves the model untouched.
     if "qk-smoothing" in names:
+        stats = _qk_statistics(model, batches, mla=mla)
+        # Every decision first, then every fold: a refusal leaves the model as is.
         for layer, (name, module) in zip(layers, modules, strict=True):
             q, k = _observed(stats, name)
-            beta, s, errors = smoothing_factors(
-                q.pair_max,
-                k.pair_max,
-                q.sample,
-                k.sample,
-                shared=_qk_norms(module) is not None,
-            )
-            layer.qk_exponent, layer.qk_errors = beta, errors
-            layer.qk_factors = s if beta != 0.0 else None
+            _decide(layer, module, q, k, mla)
     for layer, (_name, module) in zip(layers, modules, strict=True):
         if "v-rotation" in names:
             layer.v_rotation_seeds = fold_v_rotation(module, layer.index, seed)
-        if layer.qk_factors is not None:
-            fold_qk_smoothing(module, layer.qk_factors)
-    return TransformResult(names, seed, layers, time.perf_counter() - t0)
+        _fold_smoothing(layer, module, mla)
+    return TransformResult(names, seed, layers, time.perf_counter() - t0, mla=mla)
 
 
-def _apply_latent(
-    model: nn.Module,
-    modules: list[tuple[str, nn.Module]],
-    batches: Iterable[dict[str, torch.Tensor]],
-    names: tuple[str, ...],
-    seed: int,
-    t0: float,
-) -> TransformResult:
-    """MLA: the latent smoothing of :mod:`.latent` on every attention module."""
-    layers = [LayerTransform(name, i) for i, (name, _) in enumerate(modules)]
-    stats = _qk_statistics(model, batches, mla=True)
-    for layer, (name, module) in zip(layers, modules, strict=True):
-        q, c = _observed(stats, name)
-        beta, s, errors = latent_smoothing_factors(
-            q.abs_max, c.abs_max, q.sample, c.sample, scaling=float(module.scaling)
+class _StopLayer(Exception):
+    """Raised by a forward hook to end a decoder layer's call after its attention
+    (the statistics need nothing further)."""
+
+
+def _raise_stop(*_args: Any) -> None:
+    raise _StopLayer
+
+
+class _PassThrough(nn.Module):
+    """An FA point that returns its input and observes nothing."""
+
+    def forward(self, x: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+        return x
+
+
+class LayerwiseTransforms:
+    """The transforms folded inside a layer-major calibration pass
+    (:func:`~ascend_fa.calibration.layerwise.run_layerwise`'s ``before_layer``).
+
+    :func:`apply_attention_transforms` runs one extra float forward over the first
+    :data:`STATS_SAMPLES` samples for ``qk-smoothing``'s statistics, about a
+    quarter of a 32-sample calibration. Here, before decoder layer ``i`` is
+    observed, the same statistics come from layer ``i``'s own inputs (the first
+    batches holding at least ``stats_rows`` rows), running the layer only up to
+    the end of its attention; the factors are then searched and folded into that
+    layer, so its FA points observe the folded Q / K. The inputs of layer ``i``
+    are the float model's (the earlier folds are exact and the FA points pass
+    their input through while observing), so the decisions are those of the
+    extra forward up to float rounding. ``v-rotation`` needs no statistics and
+    is folded into every module at construction.
+
+    Only attention modules that carry FA points during the pass are smoothed: a
+    module the recipe leaves out stays float on the device and gains nothing from
+    ``qk-smoothing`` (its record keeps no exponent).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        transforms: Sequence[str],
+        *,
+        seed: int = 0,
+        stats_rows: int = STATS_SAMPLES,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.model = model
+        self.seed = seed
+        self.stats_rows = stats_rows
+        self.names, modules, self.mla = _prepare(model, transforms)
+        self.modules = modules
+        self.layers = [LayerTransform(name, i) for i, (name, _) in enumerate(modules)]
+        if "v-rotation" in self.names:
+            for layer, (_name, module) in zip(self.layers, modules, strict=True):
+                layer.v_rotation_seeds = fold_v_rotation(module, layer.index, seed)
+        self.seconds = time.perf_counter() - t0
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        index: int,
+        layer: nn.Module,
+        inputs: Sequence[Any],
+        masks: Sequence[torch.Tensor | None],
+    ) -> None:
+        """Before decoder ``layer`` (number ``index``) runs over ``inputs``
+        (``(hidden, kwargs, keep)`` per batch, with padding ``masks``): gather the
+        statistics of its attention modules, decide and fold."""
+        if "qk-smoothing" not in self.names:
+            return
+        from ascend_fa.adapters.base import token_mask_scope
+        from ascend_fa.adapters.hf import fa_points, swapped_points
+
+        t0 = time.perf_counter()
+        inside = {id(m) for m in layer.modules()}
+        mine = [
+            (rec, name, module)
+            for rec, (name, module) in zip(self.layers, self.modules, strict=True)
+            if id(module) in inside
+            and {b for b, _ in fa_points(module)} >= {"fa_q", "fa_k"}
+        ]
+        if not mine:
+            return
+
+        def make(_attn: str, branch: str, point: nn.Module) -> nn.Module | None:
+            if branch not in ("fa_q", "fa_k"):
+                # The pass's own observers must not see the statistics run.
+                return _PassThrough()
+            if self.mla:
+                return LatentStats(int(point.num_heads))
+            return _QKStats(int(point.num_heads), getattr(point, "head_dim", None))
+
+        stop = mine[-1][2].register_forward_hook(_raise_stop)
+        rows = 0
+        try:
+            with swapped_points({n: m for _, n, m in mine}, make) as placed:
+                for j, (hidden, kwargs, _keep) in enumerate(inputs):
+                    if rows >= self.stats_rows:
+                        break
+                    with token_mask_scope(self.model, masks[j]):
+                        try:
+                            layer(hidden, **kwargs)
+                        except _StopLayer:
+                            pass
+                    rows += int(hidden.shape[0])
+        finally:
+            stop.remove()
+        stats: dict[str, dict[str, Any]] = {}
+        for (attn, branch), point in placed.items():
+            stats.setdefault(attn, {})[branch] = point
+        for rec, name, module in mine:
+            q, k = _observed(stats, name)
+            _decide(rec, module, q, k, self.mla)
+            _fold_smoothing(rec, module, self.mla)
+        self.seconds += time.perf_counter() - t0
+
+    def result(self) -> TransformResult:
+        """What was folded (call after the pass)."""
+        return TransformResult(
+            self.names, self.seed, self.layers, self.seconds, mla=self.mla
         )
-        layer.qk_exponent, layer.qk_errors = beta, errors
-        layer.qk_factors = s if beta != 0.0 else None
-    # Every decision first, then every fold: a refusal leaves the model untouched.
-    for layer, (_name, module) in zip(layers, modules, strict=True):
-        if layer.qk_factors is not None:
-            fold_latent_smoothing(module, layer.qk_factors)
-    return TransformResult(names, seed, layers, time.perf_counter() - t0, mla=True)

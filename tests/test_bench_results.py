@@ -185,3 +185,11 @@ def test_bench_targets_quick_json_in_the_one_schema(tmp_path):
     assert all("kl" in r["extra"] and "top1" in r["extra"] for r in doc["records"])
     base = [r for r in doc["records"] if r["mode"] == "float"]
     assert base and all(r["ratio"] == 1.0 for r in base)
+
+
+def test_streaming_workdir_that_is_not_a_directory_is_one_line(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    assert main(["bench", "streaming", "--quick", "--workdir", str(missing)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--workdir" in err[0] and "not a directory" in err[0]
+    assert not missing.exists()

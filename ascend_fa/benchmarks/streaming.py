@@ -204,6 +204,12 @@ def run(args: argparse.Namespace) -> int:
     hidden, heads, inter = (256, 4, 704) if quick else (1024, 16, 2816)
     records: list[Record] = []
     rows = []
+    if args.workdir is not None and not Path(args.workdir).is_dir():
+        print(
+            f"error: --workdir {args.workdir}: not a directory (create it first)",
+            file=sys.stderr,
+        )
+        return 2
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for depth in depths:
             src = Path(tmp) / f"ckpt-{depth}"

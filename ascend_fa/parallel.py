@@ -14,15 +14,17 @@ batch a rank runs the very batch one process runs (the same bits); only the
 reductions of statistics remain, and those are exact.
 
 A process group that is already initialised (a caller that set it up itself) is
-used as it is and left open; one set up here is destroyed on leaving.
+used as it is and left open; one set up here is destroyed on leaving, after a
+last barrier: every rank leaves once all ranks are done (rank 0 has written).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -166,6 +168,7 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
             f"data-parallel setup ({backend}, rank {me} of {world}) failed: {text}"
         ) from exc
     _JOINED.append(True)
+    finished = False
     try:
         if me == 0:
             print(
@@ -174,8 +177,30 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
                 flush=True,
             )
         yield device
+        finished = True
+    finally:
+        _leave(finished)
+
+
+def _leave(finished: bool) -> None:
+    """Tear down this process's group in step with the other ranks.
+
+    A rank that finished waits at one last barrier for the others (rank 0 is then
+    done writing), so no rank destroys its gloo pairs while a peer still works; a
+    barrier that fails means another rank failed (its own error is the one to
+    read). The group is destroyed and collected while the interpreter is fully
+    alive: gloo's worker threads torn down during interpreter finalization abort
+    the process (``terminate called without an active exception``, SIGABRT;
+    pytorch/pytorch#179291 describes the finalization case; seen here as a rank
+    aborting after its work was done while rank 0 still wrote).
+    """
+    try:
+        if finished:
+            with suppress(RuntimeError, ValueError):
+                dist.barrier()
     finally:
         dist.destroy_process_group()
+        gc.collect()
 
 
 def batch_share(num_items: int, batch_size: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,9 @@ def _worker(rank: int, init: str, src: str, data: str, out: str, kw: dict) -> No
         assert parallel.batch_share(6, 2) == [(0, 4), (4, 6)][rank]
         calibrate(src, output=out, calib_data=data, **kw)
         assert dist.is_initialized()  # a caller's group is left to the caller
+        # the caller's teardown, as the library's own group does it: no rank
+        # destroys its group while another still works (rank 0 writing)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -137,6 +141,46 @@ def test_two_spawned_ranks_equal_one_process_w8a8(tmp_path):
     assert_same_artifact(one.output, tmp_path / "two", ranks=2)
     # rank 1 wrote nothing: only the artifact and the rendezvous file are new
     assert set(os.listdir(tmp_path)) - before <= {"two", "store"}
+
+
+def _leave_worker(rank: int, port: int, out: str, fail: bool) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        ASCEND_FA_DIST_TIMEOUT="60",
+    )
+    done = Path(out) / "rank0.done"
+    try:
+        with parallel.process_group(torch.device("cpu")):
+            if rank == 0:
+                time.sleep(1.5)  # rank 0 "writes" long after rank 1 is done
+                if fail:
+                    raise RuntimeError("rank 0 failed")
+                done.write_text("written")
+    except RuntimeError:
+        assert rank == 0 and fail
+        return
+    # rank 1 leaves the group only after rank 0 has finished its block
+    assert not dist.is_initialized()
+    (Path(out) / f"rank{rank}.left").write_text(str(done.exists()))
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["both-finish", "rank0-fails"])
+def test_process_group_ranks_leave_together(tmp_path, fail):
+    """A rank that is done waits for the others before it destroys the group (no
+    teardown while rank 0 still works); when rank 0 fails, rank 1 still leaves
+    cleanly (the failed barrier is rank 0's error, not a second one)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_leave_worker, args=(port, str(tmp_path), fail), nprocs=2, join=True)
+    left = (tmp_path / "rank1.left").read_text()
+    assert left == ("False" if fail else "True")
+    assert (tmp_path / "rank0.left").exists() != fail
 
 
 def test_batch_share_is_contiguous_whole_batches(monkeypatch):

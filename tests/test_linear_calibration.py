@@ -144,6 +144,44 @@ def test_layer_fallback_is_layer_local_and_capped():
     assert relaxed.num_float == 0
 
 
+def test_layer_fallback_spends_the_cap_pro_rata_over_depth():
+    """A layer cannot see the layers after it, so after the i-th of L layers at
+    most ceil(cap * i / L) linears are float; a share a layer does not use passes
+    on. Naive reference: the running share, layer by layer."""
+    from ascend_fa.linear.fallback import LayerFallback
+
+    layers = [f"model.layers.{i}" for i in range(30)]
+    chooser = LayerFallback(LinearConfig(fallback=21), 210, layers=layers)
+    for i, prefix in enumerate(layers, start=1):
+        share = 0
+        while share * 30 < 21 * i:  # the smallest integer >= 21 * i / 30
+            share += 1
+        assert chooser.allowance(f"{prefix}.mlp.down") == share
+    assert chooser.allowance("model.layers.29.self_attn.qkv") == 21
+    # a group outside the listed layers (or no layers given): the whole cap
+    assert chooser.allowance("model.extra.down") == 21
+    assert (
+        LayerFallback(LinearConfig(fallback=21), 210).allowance(
+            "model.layers.0.mlp.down"
+        )
+        == 21
+    )
+    # on a model: with no budget every layer wants more, and the first of four
+    # layers gets its share of a cap of 4 linears only (one linear)
+    tok = byte_tokenizer()
+    result = _run(tiny_llama(num_hidden_layers=4), tok, fallback=4, layer_budget=0.0)
+    per_layer = [
+        sum(
+            len(r.group.linears)
+            for r in result.records
+            if r.quant_type == "FLOAT" and r.group.name.startswith(f"model.layers.{i}.")
+        )
+        for i in range(4)
+    ]
+    assert per_layer[0] <= 1 and sum(per_layer[:2]) <= 2 and sum(per_layer) <= 4
+    assert sum(per_layer) > 0
+
+
 def test_unknown_fallback_criterion_is_refused():
     from ascend_fa.errors import InputError
 

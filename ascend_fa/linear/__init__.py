@@ -121,8 +121,10 @@ def calibrate_linears(
     if config.criterion == "layer":
         chooser = None
         if scan:
-            total = sum(len(g.linears) for p in linear_plan(model) for g in p.groups)
-            chooser = LayerFallback(config, total)
+            plans = linear_plan(model)
+            total = sum(len(g.linears) for p in plans for g in p.groups)
+            layers = [p.prefix for p in plans]
+            chooser = LayerFallback(config, total, layers=layers)
         result = quantize_linears(
             model,
             batches,

@@ -66,8 +66,32 @@ logger = logging.getLogger(__name__)
 
 #: ``--linear`` values -> description quant type (None: linears stay float).
 LINEAR_MODES = {"w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC", "none": None}
-DEFAULT_ALPHAS: tuple[float | None, ...] = (None, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-DEFAULT_CLIPS: tuple[float, ...] = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3)
+DEFAULT_ALPHAS: tuple[float | None, ...] = (
+    None,
+    0.1,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+)
+DEFAULT_CLIPS: tuple[float, ...] = (
+    1.0,
+    0.9,
+    0.8,
+    0.7,
+    0.6,
+    0.5,
+    0.4,
+    0.3,
+    1.25,
+    1.5,
+    2.0,
+    3.0,
+)
 #: How the fallback ranks groups: ``layer`` by each group's share of its decoder
 #: layer's output error (layer-local: a streaming run can decide it), ``kl`` by a
 #: KL scan of whole-model logits (needs the whole model in memory).

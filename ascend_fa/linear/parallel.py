@@ -54,18 +54,20 @@ class StatsSync:
                 for rows in theirs[name]:
                     st.skip(rows)
         mine = {
-            name: (st.parts, st.cmin, st.cmax, st.tokens) for name, st in stats.items()
+            name: (st.parts, st.cmin, st.cmax, st.tokens, st.bounds)
+            for name, st in stats.items()
         }
         every = parallel.all_gather_objects(mine)
         for name, st in stats.items():
             sides = [theirs[name] for theirs in every]
             cmin, cmax = sides[0][1], sides[0][2]
-            for _parts, lo, hi, _tokens in sides[1:]:
+            for _parts, lo, hi, _tokens, _bounds in sides[1:]:
                 cmin, cmax = torch.minimum(cmin, lo), torch.maximum(cmax, hi)
             st.adopt(
                 [p for parts, *_ in sides for p in parts],
                 cmin,
                 cmax,
-                sum(tokens for *_, tokens in sides),
+                sum(side[3] for side in sides),
+                [b for *_, bounds in sides for b in bounds],
             )
         self._counts = []

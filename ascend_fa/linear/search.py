@@ -12,7 +12,22 @@ error of the group's outputs against the float outputs ``X @ W^T``:
    group's stacked weights; ``X / s`` and ``W * s`` give the same product in float.
    ``α`` from ``config.alphas`` (``None`` = no smoothing) with the full range.
 2. Static W8A8 only: the per-tensor range ``[c·lo, c·hi]`` for ``c`` in
-   ``config.clips`` (``1.0`` = min/max of all calibration tokens) with the chosen α.
+   ``config.clips`` (``1.0`` = min/max of all calibration tokens; ``c < 1`` clips,
+   ``c > 1`` leaves headroom) with the chosen α.
+
+Static W8A8 scores both choices on rows held out of the fit (two folds: the
+updates' row sets alternate between them; each fold's own range and smoothing
+factors quantize the other fold's rows, and the two errors add up), because a
+static range must hold for tokens the calibration never saw. The held-out score
+is the sum over tokens of each token's squared output error relative to its own
+squared output, so that every token counts alike (as in the model's mean per-token
+error) instead of the few massive-activation tokens whose outputs dwarf the rest.
+Scored on the rows that set the range, the search chooses what fits those rows: on
+SmolLM2 it picked α 0.8-0.9 and no headroom for ``down_proj``, and held-out inputs
+then reached 5-20x the smoothed calibration range. The chosen α and ``c`` are
+then applied to the statistics of all rows. With a single update there is nothing
+to hold out and the rows that fit also score, by the plain squared error
+(W8A8_DYNAMIC always: its ranges are per token).
 
 Everything here depends only on the group's own inputs and weights, so a streaming
 calibration can take the same decisions one layer at a time.
@@ -46,6 +61,9 @@ class InputStats:
         self.cmax = torch.full((in_features,), float("-inf"))
         self.tokens = 0
         self._parts: list[torch.Tensor] = []
+        #: per update, the per-channel (min, max) of all its rows (the held-out
+        #: choice fits each fold's range on them, as the final range is fitted)
+        self._bounds: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._gen = torch.Generator().manual_seed(seed)
 
     def update(self, x: torch.Tensor) -> None:
@@ -53,8 +71,10 @@ class InputStats:
         x = x.detach().float().cpu()
         if x.numel() == 0:
             return
-        self.cmin = torch.minimum(self.cmin, x.amin(dim=0))
-        self.cmax = torch.maximum(self.cmax, x.amax(dim=0))
+        lo, hi = x.amin(dim=0), x.amax(dim=0)
+        self.cmin = torch.minimum(self.cmin, lo)
+        self.cmax = torch.maximum(self.cmax, hi)
+        self._bounds.append((lo, hi))
         self.tokens += x.shape[0]
         amax = x.abs().amax(dim=1)
         top = torch.topk(amax, min(self.top, x.shape[0])).indices
@@ -73,17 +93,29 @@ class InputStats:
         """The row sets kept so far, one per update with data (in update order)."""
         return list(self._parts)
 
+    @property
+    def bounds(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per update with data (in update order): the per-channel minimum and
+        maximum ``[K]`` of all its rows."""
+        return list(self._bounds)
+
     def adopt(
         self,
         parts: list[torch.Tensor],
         cmin: torch.Tensor,
         cmax: torch.Tensor,
         tokens: int,
+        bounds: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        """Replace the running state with ``parts`` (update order), the per-channel
-        ``cmin`` / ``cmax`` ``[K]`` and the token count of all data (the union of
-        every rank's updates); the random state is kept."""
+        """Replace the running state with ``parts`` and ``bounds`` (update order),
+        the per-channel ``cmin`` / ``cmax`` ``[K]`` and the token count of all data
+        (the union of every rank's updates); the random state is kept."""
+        if len(bounds) != len(parts):
+            raise ValueError(
+                f"InputStats.adopt: {len(parts)} row sets but {len(bounds)} bounds"
+            )
         self._parts = [p.float().cpu() for p in parts]
+        self._bounds = [(lo.float().cpu(), hi.float().cpu()) for lo, hi in bounds]
         self.cmin, self.cmax = cmin.float().cpu(), cmax.float().cpu()
         self.tokens = int(tokens)
 
@@ -210,6 +242,21 @@ def decide_group(
         err = float((xq @ wq_t - ref).square().sum())
         return err, lo, hi
 
+    folds = (
+        None if dynamic else _folds(stats.parts, stats.bounds, stats.rows + stats.top)
+    )
+    if folds is not None:
+        alpha, clip = _held_out_choice(
+            w, w_absmax, folds, dtype, alphas, clips, tie, head_dim
+        )
+        s = None
+        if alpha is not None:
+            s = smooth_factors(
+                stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
+            )
+        wq_t = _fq_weight(w if s is None else w * s, dtype).t()
+        err, lo, hi = error(s, wq_t, clip)
+        return GroupDecision(alpha, s, clip, lo, hi, err / norm)
     best: tuple[float, float | None, torch.Tensor | None, float, float, float] | None
     best = None
     best_wq: torch.Tensor | None = None
@@ -235,3 +282,83 @@ def decide_group(
                 best = (err, best[1], best[2], clip, lo, hi)
     err, alpha, s, clip, lo, hi = best
     return GroupDecision(alpha, s, clip, lo, hi, err / norm)
+
+
+_Fold = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _folds(
+    parts: list[torch.Tensor],
+    bounds: list[tuple[torch.Tensor, torch.Tensor]],
+    cap: int,
+) -> tuple[_Fold, _Fold] | None:
+    """Two folds ``(rows, lo, hi)``: the even and the odd updates (whole batches,
+    so one sample's tokens stay in one fold). ``lo`` / ``hi`` ``[K]``: the
+    per-channel minimum and maximum of all the fold's rows (what its range and
+    smoothing are fitted on, as the final ones on all rows); ``rows``: its sampled
+    rows cut to ``cap`` (the largest-``max |x|`` rows first, then a fixed-seed
+    draw that leaves the statistics' own random stream alone). ``None`` below two
+    updates."""
+    if len(parts) < 2:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for k in (0, 1):
+        rows = torch.cat(parts[k::2])
+        if rows.shape[0] > cap:
+            top = max(1, cap // 16)
+            order = torch.argsort(rows.abs().amax(dim=1), descending=True, stable=True)
+            rest = order[top:][torch.randperm(order.numel() - top, generator=gen)]
+            rows = rows[torch.cat([order[:top], rest[: cap - top]])]
+        lo = torch.stack([b[0] for b in bounds[k::2]]).amin(dim=0)
+        hi = torch.stack([b[1] for b in bounds[k::2]]).amax(dim=0)
+        out.append((rows, lo, hi))
+    return out[0], out[1]
+
+
+def _held_out_choice(
+    w: torch.Tensor,
+    w_absmax: torch.Tensor,
+    folds: tuple[_Fold, _Fold],
+    dtype: torch.dtype,
+    alphas: tuple[float | None, ...],
+    clips: tuple[float, ...],
+    tie: int,
+    head_dim: int,
+) -> tuple[float | None, float]:
+    """``(alpha, clip)`` with the smallest held-out error (see the module doc):
+    α first at ``clip = 1``, then the clip with that α, as the in-sample search."""
+    pairs = ((folds[0], folds[1]), (folds[1], folds[0]))
+    refs = [held[0] @ w.t() for _fit, held in pairs]
+    # Each held-out token's squared output error relative to its own output: the
+    # model's error is a mean over tokens, and a plain sum of squares is the few
+    # massive-activation tokens' alone (their outputs are 100x the others').
+    tiny = torch.finfo(torch.float32).tiny
+    norms = [r.square().sum(dim=1).clamp_min(tiny) for r in refs]
+    weights: dict[tuple[float | None, int], tuple[torch.Tensor | None, torch.Tensor]]
+    weights = {}
+
+    def fitted(alpha: float | None, i: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if (alpha, i) not in weights:
+            _rows, lo, hi = pairs[i][0]
+            s = None
+            if alpha is not None:
+                absmax = torch.maximum(lo.abs(), hi.abs())
+                s = smooth_factors(absmax, w_absmax, alpha, tie=tie, head_dim=head_dim)
+            weights[alpha, i] = (s, _fq_weight(w if s is None else w * s, dtype).t())
+        return weights[alpha, i]
+
+    def error(alpha: float | None, clip: float) -> float:
+        total = 0.0
+        for i, ((_rows, lo_c, hi_c), (held, _lo, _hi)) in enumerate(pairs):
+            s, wq_t = fitted(alpha, i)
+            if s is not None:
+                lo_c, hi_c, held = lo_c / s, hi_c / s, held / s
+            lo, hi = clip * float(lo_c.min()), clip * float(hi_c.max())
+            e = (_fq_static(held, lo, hi, dtype) @ wq_t - refs[i]).square().sum(dim=1)
+            total += float((e / norms[i]).sum())
+        return total
+
+    alpha = min(alphas, key=lambda al: error(al, 1.0))
+    clip = min(clips, key=lambda c: error(alpha, c))
+    return alpha, clip

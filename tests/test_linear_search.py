@@ -1,0 +1,161 @@
+"""Static W8A8's smoothing / range choice is scored on rows held out of the fit.
+
+The reference below re-derives the two-fold rule from its description (module doc of
+``ascend_fa.linear.search``) with plain loops over the candidates; the library's
+choice must be the reference's, and the rule must leave headroom where one fold's
+range is well beyond the other's (what a static range needs for unseen tokens).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_fa.linear.modules import activation_qparams, quantize_weight
+from ascend_fa.linear.search import InputStats, decide_group
+
+ALPHAS = (None, 0.3, 0.5, 0.8)
+CLIPS = (1.0, 0.8, 0.5, 1.5, 2.0, 3.0)
+DT = torch.float32
+
+
+def _stats(batches: list[torch.Tensor], rows: int = 64) -> InputStats:
+    st = InputStats(batches[0].shape[1], rows=rows, top=4)
+    for b in batches:
+        st.update(b)
+    return st
+
+
+def _ref_fq_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    scale, offset = activation_qparams(lo, hi, DT)
+    recip = torch.tensor([scale], dtype=DT).reciprocal().float()
+    out = torch.empty_like(x)
+    for i in range(x.shape[0]):  # row by row: an independent spelling
+        q = torch.clamp(torch.round(x[i] * recip + float(offset)), -128, 127)
+        out[i] = (q - offset) * scale
+    return out
+
+
+def _ref_choice(
+    w: torch.Tensor, batches: list[torch.Tensor]
+) -> tuple[float | None, float]:
+    """Brute force over the grid, exactly as described: fold k = updates k, k+2..;
+    each fold's own per-channel absmax smooths (s = a^α / w^(1-α), 1 where either
+    side is 0, clamped to [1e-4, 1e4]) and its own min/max times c is the range; the
+    other fold's rows are scored, each token's squared output error over its own
+    squared output; α at c = 1 first, then c."""
+    folds = [torch.cat(batches[0::2]), torch.cat(batches[1::2])]  # every row kept
+    wa = w.abs().amax(dim=0)
+
+    def err(alpha: float | None, clip: float) -> float:
+        total = 0.0
+        for k in (0, 1):
+            fit, held = folds[k], folds[1 - k]
+            s = torch.ones(w.shape[1])
+            if alpha is not None:
+                a = fit.abs().amax(dim=0)
+                for j in range(w.shape[1]):
+                    if a[j] > 0 and wa[j] > 0:
+                        s[j] = min(max(a[j] ** alpha / wa[j] ** (1 - alpha), 1e-4), 1e4)
+            codes, ws = quantize_weight(w * s, DT)
+            wq = codes.float() * ws[:, None]
+            xf, xh = fit / s, held / s
+            lo, hi = clip * float(xf.min()), clip * float(xf.max())
+            y = _ref_fq_static(xh, lo, hi) @ wq.t()
+            ref = held @ w.t()
+            for t in range(held.shape[0]):  # every token's error relative to its own
+                total += float((y[t] - ref[t]).square().sum() / ref[t].square().sum())
+        return total
+
+    alpha = min(ALPHAS, key=lambda a: err(a, 1.0))
+    return alpha, min(CLIPS, key=lambda c: err(alpha, c))
+
+
+def _rows(gen: torch.Generator, n: int, k: int, loud: int, size: float) -> torch.Tensor:
+    x = torch.randn(n, k, generator=gen)
+    x[: n // 8, loud] *= size  # a few tokens with one loud channel
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_choice_equals_brute_force_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k, n = 24, 40
+    w = torch.randn(16, k, generator=gen)
+    batches = [
+        _rows(gen, n, k, loud=3, size=4.0),
+        _rows(gen, n, k, loud=7, size=12.0),
+        _rows(gen, n, k, loud=3, size=5.0),
+        _rows(gen, n, k, loud=11, size=9.0),
+    ]
+    st = _stats(batches)
+    got = decide_group(w, st, dynamic=False, dtype=DT, alphas=ALPHAS, clips=CLIPS)
+    assert all(p.shape[0] == n for p in st.parts)  # the sample holds every row
+    alpha, clip = _ref_choice(w, batches)
+    assert (got.alpha, got.clip) == (alpha, clip)
+    # the choice is applied to the statistics of all rows
+    s = torch.ones(k) if got.smooth is None else got.smooth
+    lo = clip * float((st.cmin / s).min())
+    hi = clip * float((st.cmax / s).max())
+    assert got.lo == pytest.approx(lo, rel=1e-6) and got.hi == pytest.approx(
+        hi, rel=1e-6
+    )
+
+
+def test_a_fold_beyond_the_other_leaves_headroom():
+    """Fold 1's tokens reach 3x fold 0's range: scored on held-out rows the rule
+    leaves headroom (c > 1); scored on the rows that set the range (one update,
+    nothing held out) it never does."""
+    gen = torch.Generator().manual_seed(0)
+    k = 16
+    w = torch.randn(8, k, generator=gen)
+    quiet = torch.randn(64, k, generator=gen)
+    loud = 3.0 * torch.randn(64, k, generator=gen)
+    held_out = decide_group(
+        w, _stats([quiet, loud]), dynamic=False, dtype=DT, alphas=(None,), clips=CLIPS
+    )
+    assert held_out.clip > 1.0
+    in_sample = decide_group(
+        w,
+        _stats([torch.cat([quiet, loud])]),
+        dynamic=False,
+        dtype=DT,
+        alphas=(None,),
+        clips=CLIPS,
+    )
+    assert in_sample.clip <= 1.0
+
+
+def test_folds_do_not_touch_the_statistics_random_stream():
+    """Choosing on held-out rows draws nothing from the statistics' generator: the
+    sample (and a data-parallel rank's skips) stay what they were."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(300, 8, generator=gen) for _ in range(3)]
+    a, b = _stats(batches, rows=32), _stats(batches, rows=32)
+    w = torch.randn(4, 8, generator=gen)
+    decide_group(w, a, dynamic=False, dtype=DT, alphas=ALPHAS, clips=CLIPS)
+    b.sample()  # the one sample decide_group itself draws
+    assert torch.equal(a.sample(), b.sample())
+
+
+def test_folds_fit_on_every_row_of_their_batches():
+    """Each fold's range is fitted on the per-channel extremes of all its batches'
+    rows (as the final range on all rows), not on the sampled rows: bit-exact
+    against the batches themselves; the scored rows are a capped sample."""
+    from ascend_fa.linear.search import _folds
+
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randn(500, 6, generator=gen) * (i + 1) for i in range(5)]
+    st = _stats(batches, rows=32)
+    folds = _folds(st.parts, st.bounds, st.rows + st.top)
+    assert folds is not None
+    for k, (rows, lo, hi) in enumerate(folds):
+        mine = torch.cat(batches[k::2])
+        assert torch.equal(lo, mine.amin(dim=0)) and torch.equal(hi, mine.amax(dim=0))
+        assert rows.shape[0] == st.rows + st.top
+        # the fold's largest row is always scored
+        assert float(rows.abs().amax()) == float(mine.abs().amax())
+    assert _folds(st.parts[:1], st.bounds[:1], 36) is None
+    bad = InputStats(6)
+    with pytest.raises(ValueError, match="2 row sets but 1 bounds"):
+        bad.adopt(st.parts[:2], st.cmin, st.cmax, 10, st.bounds[:1])

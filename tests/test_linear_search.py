@@ -152,7 +152,7 @@ def test_folds_fit_on_every_row_of_their_batches():
     for k, (rows, lo, hi) in enumerate(folds):
         mine = torch.cat(batches[k::2])
         assert torch.equal(lo, mine.amin(dim=0)) and torch.equal(hi, mine.amax(dim=0))
-        assert rows.shape[0] == st.rows + st.top
+        assert rows.shape[0] == st.rows + st.top  # the cap given
         # the fold's largest row is always scored
         assert float(rows.abs().amax()) == float(mine.abs().amax())
     assert _folds(st.parts[:1], st.bounds[:1], 36) is None

@@ -48,6 +48,10 @@ __all__ = ["GroupDecision", "InputStats", "decide_group", "smooth_factors"]
 #: Bounds of a smoothing factor: a channel that is all zero on one side keeps 1,
 #: and no factor moves a channel by more than 1e4 either way.
 _S_MIN, _S_MAX = 1e-4, 1e4
+#: Rows a fold scores, in multiples of the sample (``rows + top``). SmolLM2 at 32 x
+#: 512 calibration tokens (4 batches a fold): with 1x the held-out choice gave code
+#: KL 0.038 / ppl +4.0 %, with 4x 0.018 / +1.3 % (prose 0.019 -> 0.016).
+_FOLD_ROWS = 4
 
 
 class InputStats:
@@ -242,9 +246,8 @@ def decide_group(
         err = float((xq @ wq_t - ref).square().sum())
         return err, lo, hi
 
-    folds = (
-        None if dynamic else _folds(stats.parts, stats.bounds, stats.rows + stats.top)
-    )
+    cap = _FOLD_ROWS * (stats.rows + stats.top)
+    folds = None if dynamic else _folds(stats.parts, stats.bounds, cap)
     if folds is not None:
         alpha, clip = _held_out_choice(
             w, w_absmax, folds, dtype, alphas, clips, tie, head_dim

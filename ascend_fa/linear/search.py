@@ -246,32 +246,30 @@ def decide_group(
         err = float((xq @ wq_t - ref).square().sum())
         return err, lo, hi
 
+    def smoothed(alpha: float | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        # The weights' fake-quant depends on the smoothing only: made once per
+        # alpha and reused by the whole clip grid (same decisions, less time).
+        s = None
+        if alpha is not None:
+            s = smooth_factors(
+                stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
+            )
+        return s, _fq_weight(w if s is None else w * s, dtype).t()
+
     cap = _FOLD_ROWS * (stats.rows + stats.top)
     folds = None if dynamic else _folds(stats.parts, stats.bounds, cap)
     if folds is not None:
         alpha, clip = _held_out_choice(
             w, w_absmax, folds, dtype, alphas, clips, tie, head_dim
         )
-        s = None
-        if alpha is not None:
-            s = smooth_factors(
-                stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
-            )
-        wq_t = _fq_weight(w if s is None else w * s, dtype).t()
+        s, wq_t = smoothed(alpha)
         err, lo, hi = error(s, wq_t, clip)
         return GroupDecision(alpha, s, clip, lo, hi, err / norm)
     best: tuple[float, float | None, torch.Tensor | None, float, float, float] | None
     best = None
     best_wq: torch.Tensor | None = None
     for alpha in alphas:
-        s = None
-        if alpha is not None:
-            s = smooth_factors(
-                stats.absmax, w_absmax, alpha, tie=tie, head_dim=head_dim
-            )
-        # The weights' fake-quant depends on the smoothing only: made once per
-        # alpha and reused by the whole clip grid (same decisions, less time).
-        wq_t = _fq_weight(w if s is None else w * s, dtype).t()
+        s, wq_t = smoothed(alpha)
         err, lo, hi = error(s, wq_t, 1.0)
         if best is None or err < best[0]:
             best, best_wq = (err, alpha, s, 1.0, lo, hi), wq_t
@@ -351,7 +349,12 @@ def _held_out_choice(
             weights[alpha, i] = (s, _fq_weight(w if s is None else w * s, dtype).t())
         return weights[alpha, i]
 
+    scores: dict[tuple[float | None, float], float] = {}
+
     def error(alpha: float | None, clip: float) -> float:
+        # memoised: the clip pass starts with the (alpha, 1.0) the alpha pass scored
+        if (alpha, clip) in scores:
+            return scores[alpha, clip]
         total = 0.0
         for i, ((_rows, lo_c, hi_c), (held, _lo, _hi)) in enumerate(pairs):
             s, wq_t = fitted(alpha, i)
@@ -360,6 +363,7 @@ def _held_out_choice(
             lo, hi = clip * float(lo_c.min()), clip * float(hi_c.max())
             e = (_fq_static(held, lo, hi, dtype) @ wq_t - refs[i]).square().sum(dim=1)
             total += float((e / norms[i]).sum())
+        scores[alpha, clip] = total
         return total
 
     alpha = min(alphas, key=lambda al: error(al, 1.0))

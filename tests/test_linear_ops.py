@@ -9,6 +9,7 @@ from ascend_fa.atb_ops.linear import (
     dynamic_quant,
     dynamic_quant_ref,
     encode_deq_scale_int64,
+    int_gemm,
     quant_matmul,
     quant_matmul_dynamic,
     quant_matmul_dynamic_ref,
@@ -86,6 +87,25 @@ def test_quant_matmul_integer_sum_is_exact_for_large_k():
     exact = [16384 * k + 1, 16384 * k, 16384 * k - 1]
     want = torch.tensor(exact, dtype=torch.float64).float()
     assert torch.equal(got[0], want)
+
+
+@pytest.mark.parametrize("int8_gemm", [True, False], ids=["int_mm", "fp32-chunks"])
+@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 7, 5), (5, 2051, 9), (0, 8, 4)])
+def test_int_gemm_is_the_exact_int32_product(shape, int8_gemm, monkeypatch):
+    """Both spellings of the accumulator (torch's int8 GEMM, and fp32 GEMMs over
+    exact K chunks for builds or devices without it) equal a naive integer loop,
+    including K beyond one 1024-wide chunk and an empty batch."""
+    if not int8_gemm:
+        monkeypatch.delattr(torch, "_int_mm", raising=False)
+    m, k, n = shape
+    x, w = _codes((m, k), seed=3), _codes((n, k), seed=4)
+    got = int_gemm(x, w)
+    assert got.dtype == torch.int32 and got.shape == (m, n)
+    want = [[sum(a * b for a, b in zip(r, c)) for c in w.tolist()] for r in x.tolist()]
+    assert got.tolist() == want
+    # the extreme sum: -128 * -128 over K = 65535, the largest K the device takes
+    big = torch.full((1, 65535), -128, dtype=torch.int8)
+    assert int(int_gemm(big, big)[0, 0]) == 16384 * 65535
 
 
 def test_int64_deq_scale_keeps_fp19():

@@ -1,4 +1,5 @@
-"""Static W8A8's smoothing / range choice is scored on rows held out of the fit.
+"""W8A8's smoothing / range choice (and W8A8_DYNAMIC's smoothing) is scored on rows
+held out of the fit.
 
 The reference below re-derives the two-fold rule from its description (module doc of
 ``ascend_fa.linear.search``) with plain loops over the candidates; the library's
@@ -36,8 +37,18 @@ def _ref_fq_static(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return out
 
 
+def _ref_fq_dynamic(x: torch.Tensor) -> torch.Tensor:
+    """Per token: scale max|x| / 127, codes round(x / scale) (0 for a zero row)."""
+    out = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        scale = x[i].abs().max() / 127.0
+        if scale > 0:
+            out[i] = torch.round(x[i] / scale) * scale
+    return out
+
+
 def _ref_choice(
-    w: torch.Tensor, batches: list[torch.Tensor]
+    w: torch.Tensor, batches: list[torch.Tensor], dynamic: bool = False
 ) -> tuple[float | None, float]:
     """Brute force over the grid, exactly as described: fold k = updates k, k+2..;
     each fold's own per-channel absmax smooths (s = a^α / w^(1-α), 1 where either
@@ -61,13 +72,16 @@ def _ref_choice(
             wq = codes.float() * ws[:, None]
             xf, xh = fit / s, held / s
             lo, hi = clip * float(xf.min()), clip * float(xf.max())
-            y = _ref_fq_static(xh, lo, hi) @ wq.t()
+            xq = _ref_fq_dynamic(xh) if dynamic else _ref_fq_static(xh, lo, hi)
+            y = xq @ wq.t()
             ref = held @ w.t()
             for t in range(held.shape[0]):  # every token's error relative to its own
                 total += float((y[t] - ref[t]).square().sum() / ref[t].square().sum())
         return total
 
     alpha = min(ALPHAS, key=lambda a: err(a, 1.0))
+    if dynamic:  # per-token ranges: nothing to clip
+        return alpha, 1.0
     return alpha, min(CLIPS, key=lambda c: err(alpha, c))
 
 
@@ -77,8 +91,9 @@ def _rows(gen: torch.Generator, n: int, k: int, loud: int, size: float) -> torch
     return x
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["w8a8", "w8a8_dynamic"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_choice_equals_brute_force_reference(seed):
+def test_choice_equals_brute_force_reference(seed, dynamic):
     gen = torch.Generator().manual_seed(seed)
     k, n = 24, 40
     w = torch.randn(16, k, generator=gen)
@@ -89,10 +104,12 @@ def test_choice_equals_brute_force_reference(seed):
         _rows(gen, n, k, loud=11, size=9.0),
     ]
     st = _stats(batches)
-    got = decide_group(w, st, dynamic=False, dtype=DT, alphas=ALPHAS, clips=CLIPS)
+    got = decide_group(w, st, dynamic=dynamic, dtype=DT, alphas=ALPHAS, clips=CLIPS)
     assert all(p.shape[0] == n for p in st.parts)  # the sample holds every row
-    alpha, clip = _ref_choice(w, batches)
+    alpha, clip = _ref_choice(w, batches, dynamic)
     assert (got.alpha, got.clip) == (alpha, clip)
+    if dynamic:
+        return
     # the choice is applied to the statistics of all rows
     s = torch.ones(k) if got.smooth is None else got.smooth
     lo = clip * float((st.cmin / s).min())

@@ -15,10 +15,15 @@ Every quantized row also has FAQuant attention calibrated after its linears (as
 ``calibrate`` does). Columns: perplexity change, mean token KL(float || quantized)
 and top-1 agreement per domain, linears kept float, and the calibration time as a
 ratio of plain forwards over the same calibration batches, measured in the same
-run. Goals (issue): default KL <= 0.03, top-1 >= 0.90, ppl <= +3 %, <= 10 % float,
->= 20x lower KL than RTN; dynamic KL <= 0.02, top-1 >= 0.93; overhead <= 1.35x.
-Each goal gets a verdict line; ``--json FILE`` writes the common result schema
-(:mod:`.results`): one record per recipe and one per goal.
+run. One line per quantized recipe splits that time: the observing forwards
+(float linears) and the W8A8 statistics hooks inside them, the search (with the
+weights' quantization), the fallback, the propagation through the quantized
+layers, the FA pass. Goals (issue): default KL <= 0.03, top-1 >= 0.90, ppl <= +3
+%, <= 10 % float, >= 20x lower KL than RTN; dynamic KL <= 0.02, top-1 >= 0.93.
+(The observers' goal, <= 1.35x plain forwards, is timed interleaved with plain
+forwards by ``bench calibration-overhead``.) Each goal gets a verdict line;
+``--json FILE`` writes the common result schema (:mod:`.results`): one record per
+recipe and one per goal.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 progress=False,
             )
+        t_fa = time.perf_counter()
         res = calibrate_model(
             m,
             tok,
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             progress=False,
         )
         secs = time.perf_counter() - t
+        t_fa = time.perf_counter() - t_fa
         print(f"calibrated {name}: {secs:.1f} s", file=sys.stderr, flush=True)
         specs[name] = res.export_scales(m)
         res.remove(m)
@@ -132,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
             "float": 0 if lin is None else lin.num_float,
             "linears": 0 if lin is None else lin.num_linears,
             "report": None if lin is None else lin.to_report(),
+            "phases": {} if lin is None else dict(lin.seconds),
+            "fa_seconds": t_fa,
         }
     results = {d: evaluate(net, w, specs, models=models) for d, w in windows.items()}
     headers = ["recipe"]
@@ -163,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         + f"; {torch.get_num_threads()} threads"
     )
     print_table(headers, rows, title="Linear quantization accuracy (all with FAQuant)")
+    for line in time_lines(info, plain):
+        print(line)
     params = {"samples": len(calib), "tokens": length, "dtype": args.dtype}
     records = accuracy_records(results, info, params)
     print_table(
@@ -190,8 +201,30 @@ MODES = {
     "W8A8 default + FAQuant": "w8a8",
     "W8A8_DYNAMIC + FAQuant": "w8a8_dynamic",
 }
-#: calibration time goal with W8A8 observers, as a ratio of plain forwards
-OVERHEAD_GOAL = "<= 1.35"
+
+
+def time_lines(info: dict[str, dict[str, Any]], plain: float) -> list[str]:
+    """Where each quantized recipe's calibration time went, in plain forwards."""
+    out = []
+    for name, i in info.items():
+        ph = i["phases"]
+        if not ph:
+            continue
+        parts = [
+            ("observing forwards", ph.get("observe", 0.0) - ph.get("observers", 0.0)),
+            ("W8A8 statistics hooks", ph.get("observers", 0.0)),
+            ("search + quantize", ph.get("decide", 0.0)),
+            ("fallback", ph.get("fallback", 0.0)),
+            ("quantized propagation", ph.get("propagate", 0.0)),
+            ("FA pass", i["fa_seconds"]),
+        ]
+        rest = i["seconds"] - sum(v for _, v in parts)
+        parts.append(("other", rest))
+        out.append(
+            f"{name}: {i['ratio']:.2f}x = "
+            + " + ".join(f"{label} {v / plain:.2f}x" for label, v in parts)
+        )
+    return out
 
 
 def accuracy_records(
@@ -204,11 +237,14 @@ def accuracy_records(
     quantized recipes), then one per accuracy goal (``ratio`` holds the measured
     value, ``median_s`` 0: not a timing). ``results``: domain -> recipe name ->
     :class:`~ascend_fa.evaluation.EvalResult`; ``info``: recipe name ->
-    ``seconds``, ``ratio``, ``float``, ``linears``, ``report``."""
+    ``seconds``, ``ratio``, ``float``, ``linears``, ``report``, ``phases``
+    (:class:`~ascend_fa.linear.LinearResult` seconds), ``fa_seconds``. The whole
+    calibration's ratio to plain forwards is in each recipe's record, with no
+    goal: the 1.35x goal is on the observers, timed interleaved with plain
+    forwards by ``bench calibration-overhead``."""
     records = []
     for name, i in info.items():
         mode = MODES[name]
-        goal = OVERHEAD_GOAL if mode in ("w8a8", "w8a8_dynamic") else None
         records.append(
             Record(
                 NAME,
@@ -218,9 +254,9 @@ def accuracy_records(
                 i["seconds"],
                 ratio=i["ratio"],
                 baseline="plain forwards",
-                goal=goal,
-                verdict=verdict(i["ratio"], goal),
                 extra={
+                    "phases": {k: round(v, 3) for k, v in i["phases"].items()},
+                    "fa_seconds": round(i["fa_seconds"], 3),
                     "recipe": name,
                     "linears_float": i["float"],
                     "linears": i["linears"],
@@ -257,4 +293,5 @@ def accuracy_records(
         goal(f"w8a8_dynamic {d} top-1", dyn.top1, ">= 0.93")
     w8 = info[by_mode["w8a8"]]
     goal("w8a8 linears float fraction", w8["float"] / max(w8["linears"], 1), "<= 0.10")
+
     return records

@@ -96,6 +96,22 @@ DEFAULT_CLIPS: tuple[float, ...] = (
 #: layer's output error (layer-local: a streaming run can decide it), ``kl`` by a
 #: KL scan of whole-model logits (needs the whole model in memory).
 FALLBACK_CRITERIA = ("layer", "kl")
+#: Phases of :func:`quantize_linears` timed in ``LinearResult.seconds`` (besides
+#: ``"quantize"``, the whole call): per layer, loading it (``prepare_layer``), the
+#: observing forwards (float linears) and inside them the statistics hooks
+#: (``observers``), the decisions (search, fold, quantize), the layer-local
+#: fallback, the propagation through the quantized layer (calibration and scan
+#: data), the resume checkpoint. The KL criterion's scan after the loop replaces
+#: ``"fallback"``.
+_PHASES = (
+    "prepare",
+    "observe",
+    "observers",
+    "decide",
+    "fallback",
+    "propagate",
+    "checkpoint",
+)
 #: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
 LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
@@ -309,13 +325,14 @@ def capture_layer_inputs(
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``)."""
+    """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``): a view
+    when every token is real (no copy), else the selected rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] != mask.numel() or bool(mask.all()):
+        return flat
     if x.shape[:-1] == mask.shape:
         return x[mask]
-    flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] == mask.numel():
-        return flat[mask.reshape(-1)]
-    return flat
+    return flat[mask.reshape(-1)]
 
 
 def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
@@ -371,6 +388,7 @@ def observe_layer(
     *,
     reduce: Callable[[dict[str, InputStats]], None] | None = None,
     sync: StatsSync | None = None,
+    seconds: dict[str, float] | None = None,
 ) -> dict[str, InputStats]:
     """Step 1 of one layer: run ``layer`` (float linears) on every batch of
     ``inputs`` and record each group's input (real tokens only). ``reduce`` (a
@@ -378,8 +396,11 @@ def observe_layer(
     ``sync`` does it exactly for this rank's share of the batches: a counting
     forward first (how many rows each update of each group gets, so every rank
     draws its random picks where one process would), then the observing forward,
-    then the union of all ranks' statistics in global batch order."""
+    then the union of all ranks' statistics in global batch order. ``seconds``
+    (if given) gets the time spent inside the statistics hooks added to its
+    ``"observers"`` entry."""
     inputs = list(inputs)
+    spent = [0.0]
     # counted before the observing hooks exist (they would see this forward)
     counts = _count_rows(model, plan, layer, inputs) if sync is not None else {}
     stats: dict[str, InputStats] = {}
@@ -398,7 +419,9 @@ def observe_layer(
             st: InputStats = st,
             current: dict[str, torch.Tensor] = current,
         ) -> None:
+            t = time.perf_counter()
             st.update(real_rows(args[0], current["mask"]))
+            spent[0] += time.perf_counter() - t
 
         handles.append(first.register_forward_pre_hook(hook))
     if sync is not None:
@@ -414,6 +437,8 @@ def observe_layer(
         sync.after(stats)
     if reduce is not None:
         reduce(stats)
+    if seconds is not None:
+        seconds["observers"] = seconds.get("observers", 0.0) + spent[0]
     return stats
 
 
@@ -592,16 +617,31 @@ def quantize_linears(
         )
         if progress is not None and start and hasattr(progress, "restart"):
             progress.restart(start)
+    # Where the time goes: LinearResult.seconds (see _PHASES).
+    seconds = dict.fromkeys(_PHASES, 0.0)
+    last = [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        now = time.perf_counter()
+        seconds[phase] += now - last[0]
+        last[0] = now
+
     for plan in plans:
         if plan.index < start:
             continue
         layer = layers[plan.index]
         if prepare_layer is not None:
             prepare_layer(plan.index)
-        stats = observe_layer(model, plan, layer, inputs, config, sync=sync)
+        lap("prepare")
+        stats = observe_layer(
+            model, plan, layer, inputs, config, sync=sync, seconds=seconds
+        )
+        lap("observe")
         layer_records = decide_layer(model, plan, stats, config)
+        lap("decide")
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)
+        lap("fallback")
         place_layer(model, layer_records)
         if not keep_floats:
             for record in layer_records:
@@ -610,10 +650,13 @@ def quantize_linears(
         _propagate(layer, inputs)
         if scan:
             _propagate(layer, scan)
+        lap("propagate")
         if checkpoint is not None:
             checkpoint.save_linears(
                 plan.index, layer_records, inputs, scan, choose_float
             )
+        lap("checkpoint")
         if progress is not None:
             progress.update(1)
-    return LinearResult(config, records, {"quantize": time.perf_counter() - t0})
+    seconds["quantize"] = time.perf_counter() - t0
+    return LinearResult(config, records, seconds)

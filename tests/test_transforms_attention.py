@@ -107,7 +107,7 @@ def test_v_rotation_fold_matches_naive_per_head_reference() -> None:
             )
             want_b = sum(r[j, c] * bv[h * d + j] for j in range(d))
             got_b = float(attn.v_proj.bias[h * d + c].detach())
-            assert abs(got_b - float(want_b)) < 1e-5
+            assert abs(got_b - float(want_b.detach())) < 1e-5
         for i in range(h * group, (h + 1) * group):
             cols = slice(i * d, (i + 1) * d)
             assert torch.allclose(
@@ -120,8 +120,8 @@ def test_v_rotation_spreads_an_outlier_channel() -> None:
     m = _model("llama", tied=True)
     folded = copy.deepcopy(m)
     apply_attention_transforms(folded, [], ["v-rotation"], seed=0)
-    w0 = m.model.layers[0].self_attn.v_proj.weight[:16]
-    w1 = folded.model.layers[0].self_attn.v_proj.weight[:16]
+    w0 = m.model.layers[0].self_attn.v_proj.weight[:16].detach()
+    w1 = folded.model.layers[0].self_attn.v_proj.weight[:16].detach()
     # Row norms of head 0: one row 20x the others before, flat after.
     n0, n1 = w0.norm(dim=1), w1.norm(dim=1)
     assert float(n0.max() / n0.median()) > 5.0

@@ -396,10 +396,6 @@ def test_merge_into_refused_before_the_model_loads(models, data, tmp_path, capsy
     [
         (("--target", "tensorrt"), "--target 'tensorrt' is not a known target"),
         (("--target", "vllm", "--dtype", "fp64"), "--dtype 'fp64' is not supported"),
-        (
-            ("--target", "mindie", "--linear", "none"),
-            "--target mindie needs quantized linears",
-        ),
         (("--target", "vllm", "--clip-search"), "--clip-search tunes FAQuant"),
     ],
 )
@@ -409,6 +405,38 @@ def test_bad_requests(models, data, tmp_path, capsys, args, message):
     assert rc == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_mindie_with_float_linears_is_a_research_artifact(
+    models, data, tmp_path, capsys, caplog
+):
+    """--target mindie --linear none is allowed (attention-only research
+    artifact) with one warning line; inspect --target mindie calls it not
+    deployable (exit 1) and names model_quant_type."""
+    import logging
+
+    out = tmp_path / "fa_only"
+    with caplog.at_level(logging.WARNING):
+        rc = run_calibrate(
+            models["llama"], out, data, "--target", "mindie", "--linear", "none"
+        )
+    assert rc == 0, capsys.readouterr().err
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "MindIE loads FA quantization only beside quantized linears" in warned[0]
+    assert "\n" not in warned[0]
+    desc = json.loads((out / DESCRIPTION_FILE).read_text())
+    assert desc["model_quant_type"] == "FLOAT" and desc["fa_quant_type"] == "FAQuant"
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--target", "mindie"]) == 1
+    shown = capsys.readouterr()
+    assert "model_quant_type: 'FLOAT'" in shown.out + shown.err
+    # quantized linears, or an export's (--merge-into), need no warning
+    assert artifact.target_warning("mindie", model_quant_type="W8A8") is None
+    assert (
+        artifact.target_warning("mindie", model_quant_type="FLOAT", merge=True) is None
+    )
+    assert artifact.target_warning("vllm", model_quant_type="FLOAT") is None
 
 
 def test_target_cannot_express_model(models, data, tmp_path, capsys):
@@ -440,8 +468,11 @@ def test_check_target_rules():
         artifact.check_target("vllm", mla=False, model_quant_type="W8A8")
     with pytest.raises(UnsupportedError, match="--merge-into adds Ascend tensors"):
         artifact.check_target("vllm", merge=True)
-    with pytest.raises(UnsupportedError, match="needs quantized linears"):
-        artifact.check_target("mindie", mla=False, model_quant_type="FLOAT")
+    # allowed: an attention-only research artifact, with target_warning's line
+    artifact.check_target("mindie", mla=False, model_quant_type="FLOAT")
+    assert "not deployable" in artifact.target_warning(
+        "mindie", model_quant_type="FLOAT"
+    )
     with pytest.raises(ValueError, match="not a known target"):
         artifact.resolve_target("trt")
     assert artifact.resolve_dtype("fp16") is torch.float16

@@ -55,6 +55,7 @@ from .targets import (
     resolve_target,
     target_config,
     target_description,
+    target_warning,
 )
 from .writer import (
     CheckpointTensors,
@@ -88,6 +89,7 @@ __all__ = [
     "c8_tensor_name",
     "check_merge_export",
     "check_target",
+    "target_warning",
     "checkpoint_tensors",
     "hf_checkpoint_names",
     "linear_quant_type",

@@ -83,6 +83,7 @@ __all__ = [
     "resolve_dtype",
     "is_research_dtype",
     "check_target",
+    "target_warning",
     "c8_tensors",
     "vllm_kv_tensors",
     "target_description",
@@ -178,14 +179,8 @@ def check_target(
         )
     if merge or model_quant_type is None or linears_quantized:
         return
-    if target == "mindie":
-        raise UnsupportedError(
-            "--target mindie needs quantized linears: MindIE sets quantize = "
-            "model_quant_type.lower() and refuses 'float' (atb_llm models/base/"
-            "config.py __check_quantize); quantize the linears (--linear w8a8), "
-            "--merge-into an msModelSlim W8A8 export, or use --target vllm-ascend "
-            "or vllm"
-        )
+    # --target mindie with float linears is allowed (an attention-only research
+    # artifact): target_warning says, and inspect --target mindie refuses it.
     if target == "vllm-ascend" and mla:
         raise UnsupportedError(
             f"--target vllm-ascend cannot express {what} with float linears: its "
@@ -193,6 +188,29 @@ def check_target(
             "weight_scale (vllm_ascend/attention/mla_v1.py); quantize the linears "
             "(--linear w8a8_dynamic) or --merge-into an msModelSlim W8A8 export"
         )
+
+
+def target_warning(
+    target: str, *, model_quant_type: str | None, merge: bool = False
+) -> str | None:
+    """The one-line warning for a request :func:`check_target` lets through but
+    the consumer will not load, or None: ``--target mindie`` with float linears
+    (``model_quant_type`` ``"FLOAT"``) and no ``--merge-into`` writes an
+    attention-only research artifact (e.g. to measure the attention's accuracy
+    alone); MindIE sets ``quantize = model_quant_type.lower()`` and refuses
+    ``float`` (Ascend/MindIE-LLM ``examples/atb_models/atb_llm/models/base/
+    config.py`` ``__check_quantize`` @8b4871a), so it loads FA quantization only
+    beside quantized linears and ``inspect --target mindie`` reports the artifact
+    as not deployable."""
+    if target != "mindie" or merge or model_quant_type != "FLOAT":
+        return None
+    return (
+        "--target mindie with --linear none writes an attention-only research "
+        "artifact: MindIE loads FA quantization only beside quantized linears "
+        "(model_quant_type 'FLOAT' is refused), so it is not deployable "
+        "(ascend-fa inspect --target mindie says why; --linear w8a8 or "
+        "--merge-into makes it deployable)"
+    )
 
 
 def _kv_scale(t: torch.Tensor, name: str, numel: int | tuple[int, ...]) -> torch.Tensor:

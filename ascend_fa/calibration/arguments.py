@@ -7,6 +7,7 @@ verb reads as its steps.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "picture_files",
     "source_config",
     "streaming_plan",
+    "warn_target",
     "with_carried",
 ]
 
@@ -197,3 +199,14 @@ def check_streaming(
         )
     if max_memory is not None:
         parse_size(max_memory)
+
+
+def warn_target(target: str, linear_type: str | None, *, merge: bool) -> None:
+    """Log, once (rank 0) and in one line, what
+    :func:`~ascend_fa.artifact.target_warning` says of this request (e.g.
+    ``--target mindie --linear none``: a research artifact MindIE will not load)."""
+    from ascend_fa import artifact, parallel
+
+    warning = artifact.target_warning(target, model_quant_type=linear_type, merge=merge)
+    if warning and parallel.rank() == 0:
+        logging.getLogger("ascend_fa.calibration").warning(warning)

@@ -19,7 +19,6 @@ quantization. ``dtype`` is the artifact's weight dtype (bf16 default).
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -41,6 +40,7 @@ from .arguments import (
     picture_files,
     source_config,
     streaming_plan,
+    warn_target,
     with_carried,
 )
 
@@ -50,8 +50,6 @@ __all__ = [
     "default_recipe_path",
     "streaming_plan",
 ]
-
-logger = logging.getLogger(__name__)
 
 
 def default_recipe_path() -> Path:
@@ -291,11 +289,7 @@ def calibrate(
         merge=merge_into is not None,
         model_type=src_config.get("model_type") if src_config else None,
     )
-    warning = artifact.target_warning(
-        target, model_quant_type=linear_type, merge=merge_into is not None
-    )
-    if warning and parallel.rank() == 0:
-        logger.warning(warning)
+    warn_target(target, linear_type, merge=merge_into is not None)
     if clip_search and target != "mindie":
         raise InputError(
             f"--clip-search tunes FAQuant scales, which --target {target} does not "

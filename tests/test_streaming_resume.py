@@ -291,3 +291,34 @@ def test_sigkill_then_rerun_resumes_with_the_identical_artifact(tmp_path):
     ]
     _assert_same_artifact(tmp_path / "ref", out)
     assert not _work(out).exists()
+
+
+@pytest.mark.slow
+def test_w8a8_dynamic_deepseek_resume_puts_the_routed_experts_back(
+    tmp_path, monkeypatch, capsys
+):
+    """DeepSeek-V3 for vllm-ascend (W8A8_DYNAMIC, routed experts quantized per
+    expert): interrupted after the MoE layer's linear calibration, the rerun puts
+    that layer's quantized experts back from the spill file; same artifact."""
+    kw = dict(target="vllm-ascend", linear="w8a8_dynamic", max_length=16)
+    src = _checkpoint(tmp_path / "src", "deepseek_v3", num_hidden_layers=3)
+    whole = _run(src, tmp_path / "whole", tmp_path, streaming=True, **kw)
+    out = tmp_path / "stream"
+    original = ResumeState.save_linears
+
+    def dying(self, i, *args):
+        original(self, i, *args)
+        if i == 1:  # layer 1: the first MoE layer (first_k_dense_replace 1)
+            raise _Killed
+
+    monkeypatch.setattr(ResumeState, "save_linears", dying)
+    with pytest.raises(_Killed):
+        _run(src, out, tmp_path, streaming=True, **kw)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _run(src, out, tmp_path, streaming=True, **kw)
+    line = "resuming after layer 2 of 3 (linear calibration)"
+    assert capsys.readouterr().err.splitlines() == [f"{line} from {_work(out)}"]
+    _assert_same_artifact(whole.output, out)
+    desc = json.loads((out / "quant_model_description.json").read_text())
+    assert desc["model.layers.1.mlp.experts.0.down_proj.weight"] == "W8A8_DYNAMIC"

@@ -220,12 +220,13 @@ class ResumeState:
         """Put back the records and quantized modules of layers
         ``0..linear_done-1`` (their tensors come from the spill files), the
         fallback's count and errors, and the carried activations."""
-        from ascend_fa.linear import W8A8DynamicLinear, W8A8Linear
+        from ascend_fa.linear import W8A8DynamicExperts, W8A8DynamicLinear, W8A8Linear
         from ascend_fa.safe_files import read_text
 
         if not self.linear_done:
             return 0, []
         groups = {g.name: g for plan in plans for g in plan.groups}
+        groups.update({p.experts.name: p.experts for p in plans if p.experts})
         records = []
         saved: dict[str, Any] = {}
         for i in range(self.linear_done):
@@ -242,6 +243,19 @@ class ResumeState:
                 record = _record_from_dict(groups[d["group"]], d)
                 records.append(record)
                 if record.quant_type == "FLOAT":
+                    continue
+                if record.group.kind == "experts":
+                    name = record.group.linears[0]
+                    state = {
+                        k[len(name) + 1 :]: t
+                        for k, t in spill.items()
+                        if k.startswith(name + ".")
+                    }
+                    act = getattr(model.get_submodule(name), "act_fn", None)
+                    module = W8A8DynamicExperts.from_state(
+                        state, self.dtype, act_fn=act
+                    )
+                    model.set_submodule(name, module)
                     continue
                 cls = W8A8Linear if record.quant_type == "W8A8" else W8A8DynamicLinear
                 for name in record.group.linears:

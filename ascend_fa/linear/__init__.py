@@ -6,6 +6,8 @@ module              holds
 :mod:`.modules`     :class:`W8A8Linear`, :class:`W8A8DynamicLinear` (the
                     ``QuantizedLinear`` protocol: ``quant_type``,
                     ``export_tensors(prefix)``, exact integer ``forward``)
+:mod:`.experts`     :class:`W8A8DynamicExperts` (DeepSeek routed experts, fused
+                    parameters, W8A8_DYNAMIC per expert)
 :mod:`.plan`        which linears, grouped by shared input, where smoothing folds
 :mod:`.search`      input statistics; smoothing strength and range per group
 :mod:`.engine`      the layer-sequential calibration (:func:`quantize_linears`)
@@ -40,6 +42,7 @@ from .engine import (
     quantize_linears,
     swap_group,
 )
+from .experts import W8A8DynamicExperts
 from .fallback import LayerFallback, apply_fallback, mean_kl, reference_logits
 from .io import (
     artifact_model,
@@ -64,6 +67,7 @@ __all__ = [
     "LinearGroup",
     "LinearResult",
     "QuantizedLinear",
+    "W8A8DynamicExperts",
     "W8A8DynamicLinear",
     "W8A8Linear",
     "apply_fallback",
@@ -122,7 +126,7 @@ def calibrate_linears(
         chooser = None
         if scan:
             plans = linear_plan(model)
-            total = sum(len(g.linears) for p in plans for g in p.groups)
+            total = sum(g.size for p in plans for g in p.groups)
             layers = [p.prefix for p in plans]
             chooser = LayerFallback(config, total, layers=layers)
         result = quantize_linears(

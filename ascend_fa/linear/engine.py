@@ -37,6 +37,7 @@ from torch import nn
 from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
 
+from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan
@@ -241,12 +242,12 @@ class LinearResult:
         """Linears per description type (``W8A8`` / ``W8A8_DYNAMIC`` / ``FLOAT``)."""
         out: dict[str, int] = {}
         for r in self.records:
-            out[r.quant_type] = out.get(r.quant_type, 0) + len(r.group.linears)
+            out[r.quant_type] = out.get(r.quant_type, 0) + r.group.size
         return out
 
     @property
     def num_linears(self) -> int:
-        return sum(len(r.group.linears) for r in self.records)
+        return sum(r.group.size for r in self.records)
 
     @property
     def num_float(self) -> int:
@@ -508,6 +509,23 @@ def decide_layer(
     return list(reversed(layer_records))
 
 
+def _experts_record(
+    model: nn.Module, group: LinearGroup, config: LinearConfig
+) -> GroupRecord:
+    """The routed experts of one layer as W8A8_DYNAMIC (:mod:`.experts`)."""
+    name = group.linears[0]
+    float_mod = model.get_submodule(name)
+    quant = W8A8DynamicExperts.from_float(float_mod, dtype=config.dtype, name=name)
+    params = list(float_mod.parameters())
+    quant = quant.to(params[0].device if params else "cpu")
+    return GroupRecord(
+        group,
+        "W8A8_DYNAMIC",
+        float_modules={name: float_mod},
+        quant_modules={name: quant},
+    )
+
+
 def place_layer(model: nn.Module, records: Iterable[GroupRecord]) -> None:
     """Step 3 of one layer: put every quantized group in place (the float modules
     of ``"FLOAT"`` groups stay). Done only after every decision of the layer: a
@@ -642,6 +660,10 @@ def quantize_linears(
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)
         lap("fallback")
+        if plan.experts is not None and config.quant_type == "W8A8_DYNAMIC":
+            # Not a fallback candidate: no activation range to choose, and the
+            # cap counts the checkpoint's linears (3 per expert).
+            layer_records.append(_experts_record(model, plan.experts, config))
         place_layer(model, layer_records)
         if not keep_floats:
             for record in layer_records:

@@ -100,7 +100,12 @@ def apply_fallback(
     (see the module doc); updates and returns ``result``."""
     config = result.config
     t0 = time.perf_counter()
-    live = [r for r in result.records if r.quant_type != "FLOAT"]
+    # the routed experts are no candidate (see quantize_linears)
+    live = [
+        r
+        for r in result.records
+        if r.quant_type != "FLOAT" and r.group.kind != "experts"
+    ]
     if config.fallback == 0 or not live:
         return result
     if config.scan_candidates:
@@ -115,7 +120,8 @@ def apply_fallback(
         _to_quant(model, record)
     ranked = sorted(live, key=lambda r: -(r.kl_gain or 0.0))
     if config.fallback == "auto":
-        cap = int(config.max_float_fraction * result.num_linears)
+        planned = sum(r.group.size for r in result.records if r.group.kind != "experts")
+        cap = int(config.max_float_fraction * planned)
     else:
         cap = int(config.fallback)
     floats = start = result.num_float
@@ -123,7 +129,7 @@ def apply_fallback(
     for record in ranked:
         if config.fallback == "auto" and kl <= config.budget:
             break
-        n = len(record.group.linears)
+        n = record.group.size
         if floats + n > cap or (record.kl_gain or 0.0) <= 0:
             continue
         _to_float(model, record)
@@ -239,13 +245,13 @@ class LayerFallback:
         # nearly all of the static W8A8 error, spread over every layer).
         order = sorted(
             range(len(live)),
-            key=lambda i: -(live[i].layer_gain or 0.0) / len(live[i].group.linears),
+            key=lambda i: -(live[i].layer_gain or 0.0) / live[i].group.size,
         )
         for i in order:
             if err <= self.config.layer_budget:
                 break
             r = live[i]
-            n = len(r.group.linears)
+            n = r.group.size
             if self.floats + n > allowed or (r.layer_gain or 0.0) <= 0:
                 continue
             chosen.add(i)

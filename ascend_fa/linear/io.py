@@ -6,7 +6,9 @@
 * :func:`load_quantized_model` — apply an artifact's tensors to a model of the same
   architecture: quantized linears become modules again (recognised by an int8
   ``<p>.weight``: with ``deq_scale`` W8A8, with only ``weight_scale`` W8A8_DYNAMIC),
-  every other tensor the model has (smoothed norms, float linears) is copied in.
+  every other tensor the model has (smoothed norms, float linears) is copied in;
+  a DeepSeek layer's per-expert int8 ``<experts>.{e}.{proj}.weight`` become one
+  :class:`~.experts.W8A8DynamicExperts` in place of the fused experts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from ascend_fa.errors import FileFormatError, NotFoundError
 
+from .experts import W8A8DynamicExperts, expert_tensor_owner
 from .modules import QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 
 __all__ = [
@@ -130,7 +133,43 @@ def load_quantized_model(
     state = model.state_dict()
     placed: dict[str, QuantizedLinear] = {}
     names = quantized_linear_names(tensors)
+    experts: dict[str, set[int]] = {}
     for name in names:
+        owner = expert_tensor_owner(name)
+        if owner is not None and _is_fused_experts(model, owner[0]):
+            experts.setdefault(owner[0], set()).add(owner[1])
+    for owner, hit in experts.items():
+        float_mod = model.get_submodule(owner)
+        n = int(float_mod.gate_up_proj.shape[0])
+        if hit != set(range(n)):
+            missing = min(set(range(n)) - hit, default=max(hit))
+            raise FileFormatError(
+                f"{owner}.{missing}: the model has experts 0..{n - 1}; the "
+                f"artifact quantizes {len(hit)} experts (all of them or none)"
+            )
+        module = W8A8DynamicExperts.from_tensors(
+            owner,
+            tensors,
+            _model_dtype(
+                {"weight_scale": tensors[f"{owner}.0.gate_proj.weight_scale"]}
+            ),
+            act_fn=float_mod.act_fn,
+            num_experts=n,
+        )
+        if tuple(module.gate_up_weight.shape) != tuple(float_mod.gate_up_proj.shape):
+            raise FileFormatError(
+                f"{owner}: experts {tuple(module.gate_up_weight.shape)} do not fit the "
+                f"model's {tuple(float_mod.gate_up_proj.shape)}"
+            )
+        placed[owner] = module.to(float_mod.gate_up_proj.device)
+    expert_names = {
+        n
+        for n in names
+        if (o := expert_tensor_owner(n)) is not None and o[0] in experts
+    }
+    for name in names:
+        if name in expert_names:
+            continue
         try:
             float_mod = model.get_submodule(name)
         except AttributeError:
@@ -167,6 +206,15 @@ def load_quantized_model(
     for name, module in placed.items():
         model.set_submodule(name, module)
     return placed
+
+
+def _is_fused_experts(model: nn.Module, name: str) -> bool:
+    try:
+        mod = model.get_submodule(name)
+    except AttributeError:
+        return False
+    gate_up = getattr(mod, "gate_up_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
 
 
 def _weights_differ(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> bool:

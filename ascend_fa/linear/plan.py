@@ -36,14 +36,17 @@ Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLO
 DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
 asserts ``isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod)``,
 ``vllm_ascend/attention/mla_v1.py`` @182b75e, "We currently do not support quant
-kv_b_proj"); DeepSeek routed experts, which transformers 5 holds as fused
-``experts.gate_up_proj`` / ``experts.down_proj`` parameters rather than linears.
+kv_b_proj"). DeepSeek routed experts, which transformers 5 holds as fused
+``experts.gate_up_proj`` / ``experts.down_proj`` parameters rather than linears,
+are the plan's ``experts``: W8A8_DYNAMIC quantizes them (:mod:`.experts`), static
+W8A8 keeps them float.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
@@ -72,10 +75,17 @@ class LinearGroup:
     fold: str | None = None
     tie: int = 1
     head_dim: int = 0
+    #: linears the group stands for when not one per name (routed experts: 3 x E)
+    count: int = 0
 
     @property
     def smoothable(self) -> bool:
         return self.norm is not None or self.fold is not None
+
+    @property
+    def size(self) -> int:
+        """How many checkpoint linears the group holds."""
+        return self.count or len(self.linears)
 
 
 @dataclass
@@ -86,6 +96,9 @@ class LayerPlan:
     index: int
     prefix: str
     groups: list[LinearGroup] = field(default_factory=list)
+    #: the layer's routed experts (DeepSeek MoE: fused parameters, not linears;
+    #: quantized only as W8A8_DYNAMIC, :mod:`.experts`), or None
+    experts: LinearGroup | None = None
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -144,6 +157,7 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
     a, m = f"{p}.self_attn", f"{p}.mlp"
     groups = []
+    experts = None
     q_in = f"{a}.q_a_proj" if _has(model, f"{a}.q_a_proj") else f"{a}.q_proj"
     groups.append(
         LinearGroup(
@@ -172,6 +186,14 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
         ]
     elif _has(model, f"{m}.shared_experts.gate_proj"):
         s = f"{m}.shared_experts"
+        routed = (
+            model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
+        )
+        gate_up = getattr(routed, "gate_up_proj", None)
+        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+            experts = LinearGroup(
+                f"{m}.experts", "experts", (f"{m}.experts",), count=3 * gate_up.shape[0]
+            )
         groups += [
             # The norm output also feeds the router and the routed experts: no fold.
             LinearGroup(
@@ -181,7 +203,7 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
                 f"{s}.down", "shared_down", (f"{s}.down_proj",), fold=f"{s}.up_proj"
             ),
         ]
-    return LayerPlan(i, p, groups)
+    return LayerPlan(i, p, groups, experts)
 
 
 def linear_plan(model: nn.Module) -> list[LayerPlan]:

@@ -46,13 +46,25 @@ from ascend_fa.errors import FileFormatError, UnsupportedError
 
 from .modules import QuantizedLinear, check_linear_shape, quantize_weight
 
-__all__ = ["PROJECTIONS", "W8A8DynamicExperts", "expert_tensor_owner"]
+__all__ = [
+    "PROJECTIONS",
+    "W8A8DynamicExperts",
+    "expert_tensor_owner",
+    "is_fused_experts",
+]
 
 #: The per-expert projections, in checkpoint order.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(
     r"^(?P<owner>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$"
 )
+
+
+def is_fused_experts(module: nn.Module | None) -> bool:
+    """Whether ``module`` holds routed experts as transformers 5's fused
+    parameters (a 3-D ``gate_up_proj``)."""
+    gate_up = getattr(module, "gate_up_proj", None)
+    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
 
 
 def expert_tensor_owner(prefix: str) -> tuple[str, int, str] | None:

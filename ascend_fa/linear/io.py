@@ -21,7 +21,7 @@ from torch import nn
 
 from ascend_fa.errors import FileFormatError, NotFoundError
 
-from .experts import W8A8DynamicExperts, expert_tensor_owner
+from .experts import W8A8DynamicExperts, expert_tensor_owner, is_fused_experts
 from .modules import QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 
 __all__ = [
@@ -134,10 +134,12 @@ def load_quantized_model(
     placed: dict[str, QuantizedLinear] = {}
     names = quantized_linear_names(tensors)
     experts: dict[str, set[int]] = {}
+    expert_names: set[str] = set()
     for name in names:
         owner = expert_tensor_owner(name)
         if owner is not None and _is_fused_experts(model, owner[0]):
             experts.setdefault(owner[0], set()).add(owner[1])
+            expert_names.add(name)
     for owner, hit in experts.items():
         float_mod = model.get_submodule(owner)
         n = int(float_mod.gate_up_proj.shape[0])
@@ -147,12 +149,11 @@ def load_quantized_model(
                 f"{owner}.{missing}: the model has experts 0..{n - 1}; the "
                 f"artifact quantizes {len(hit)} experts (all of them or none)"
             )
-        module = W8A8DynamicExperts.from_tensors(
+        scale = tensors.get(f"{owner}.0.gate_proj.weight_scale")
+        module = W8A8DynamicExperts.from_tensors(  # names a missing tensor
             owner,
             tensors,
-            _model_dtype(
-                {"weight_scale": tensors[f"{owner}.0.gate_proj.weight_scale"]}
-            ),
+            _model_dtype({} if scale is None else {"weight_scale": scale}),
             act_fn=float_mod.act_fn,
             num_experts=n,
         )
@@ -162,11 +163,6 @@ def load_quantized_model(
                 f"model's {tuple(float_mod.gate_up_proj.shape)}"
             )
         placed[owner] = module.to(float_mod.gate_up_proj.device)
-    expert_names = {
-        n
-        for n in names
-        if (o := expert_tensor_owner(n)) is not None and o[0] in experts
-    }
     for name in names:
         if name in expert_names:
             continue
@@ -210,11 +206,9 @@ def load_quantized_model(
 
 def _is_fused_experts(model: nn.Module, name: str) -> bool:
     try:
-        mod = model.get_submodule(name)
+        return is_fused_experts(model.get_submodule(name))
     except AttributeError:
         return False
-    gate_up = getattr(mod, "gate_up_proj", None)
-    return isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3
 
 
 def _weights_differ(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> bool:

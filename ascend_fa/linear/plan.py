@@ -46,11 +46,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
 
+from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
 __all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
@@ -189,10 +189,10 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
         routed = (
             model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
         )
-        gate_up = getattr(routed, "gate_up_proj", None)
-        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3:
+        if is_fused_experts(routed):
+            n = routed.gate_up_proj.shape[0]
             experts = LinearGroup(
-                f"{m}.experts", "experts", (f"{m}.experts",), count=3 * gate_up.shape[0]
+                f"{m}.experts", "experts", (f"{m}.experts",), count=3 * n
             )
         groups += [
             # The norm output also feeds the router and the routed experts: no fold.

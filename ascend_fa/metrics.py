@@ -48,11 +48,13 @@ def token_kl(
 
     ``ref_logits``, ``logits`` ``[B, S, V]``; ``mask`` ``[B, S]`` selects the
     positions counted. Per position ``KL = Σ_v p_ref (log p_ref - log p_q)`` in fp32,
-    summed in float64.
+    clamped at 0 and summed in float64. KL is never negative; for two equal
+    distributions the fp32 log-softmax roundings leave ±1e-8 per position, which
+    would print as a negative KL for a float row.
     """
     lp_ref = torch.log_softmax(ref_logits.float(), dim=-1)
     lp = torch.log_softmax(logits.float(), dim=-1)
-    kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1)
+    kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min(0.0)
     same = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
     if mask is not None:
         keep = mask.bool()

@@ -530,8 +530,8 @@ def check_release(
     or a GGUF header; the default demo model when ``model`` is None). Otherwise an
     :class:`UnsupportedError` says in one line what that release cannot load (or
     would load wrongly), the rule with its citation, and the first release that
-    loads it. A model whose architecture cannot be read here is let through (the
-    loader reports it)."""
+    loads it. A model whose type cannot be read here, or is not one ascend-fa
+    calibrates, is let through (the loader or the adapter registry reports it)."""
     from .targets import resolve_target
 
     target = resolve_target(target)
@@ -548,8 +548,8 @@ def check_release(
             config = _gguf_config(*default_model_location())
         except Exception:  # noqa: BLE001 - a missing demo model is the loader's error
             config = None
-    if not config:
-        return target
+    if not config or config.get("model_type") not in _ARCHITECTURES:
+        return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
     line = _refusal(release, str(release_scheme(target, mla)), architecture(config))
     if line:

@@ -253,7 +253,7 @@ def test_demo_gguf_is_read_from_its_header():
         where, name = default_model_location()
     except Exception as exc:  # noqa: BLE001 - demo model not installed
         pytest.skip(str(exc))
-    assert R._gguf_config(where, name) == {"model_type": "llama"}
+    assert R._gguf_config(where, name) == R.DEFAULT_MODEL_CONFIG
     with pytest.raises(UnsupportedError, match="--consumer-version 0.25.1rc1"):
         R.check_release(VA, None)
     assert R.check_release(VA, "0.25.1rc1") == VA
@@ -433,3 +433,19 @@ def test_inspect_bad_versions(llama_c8, tmp_path, capsys):
         capsys, main(["inspect", str(bare), "--consumer-version", "main"])
     )
     assert "needs a target" in line
+
+
+def test_one_commit_per_consumer_across_the_package():
+    """The commit the per-consumer rules cite is the table's main / 3.0.0 row."""
+    import inspect as pyinspect
+
+    from ascend_fa.backends import npu_capabilities
+
+    from ascend_fa.artifact import consumers, targets
+
+    main_row = R.resolve_release(VA, "main").commit
+    assert main_row == npu_capabilities.VLLM_ASCEND_COMMIT
+    mindie = R.resolve_release("mindie", "3.0.0").commit
+    for module in (consumers, targets):
+        text = pyinspect.getsource(module)
+        assert mindie[:8] in text and main_row[:8] in text, module.__name__

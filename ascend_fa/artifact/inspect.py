@@ -205,6 +205,39 @@ def _read_json(path: Path, findings: list[str]) -> Any:
     return None
 
 
+def _fa_type_findings(
+    fa_type: Any, has_fa: bool, layers: list[dict[str, Any]], config: Any
+) -> list[str]:
+    """What is wrong with ``fa_quant_type``: missing beside FA tensors, unknown,
+    without FA tensors, FAKQuant with more than one latent head, or disagreeing
+    with ``config.json``'s ``quantization_config``."""
+    findings: list[str] = []
+    if has_fa and fa_type is None:
+        findings.append(
+            "fa_quant_type: missing from the description although FA "
+            "tensors are present"
+        )
+    elif fa_type is not None and fa_type not in FA_QUANT_TYPES:
+        findings.append(f"fa_quant_type: {fa_type!r}, expected 'FAQuant' or 'FAKQuant'")
+    elif fa_type is not None and not has_fa:
+        findings.append(f"fa_quant_type: {fa_type!r} but no FA tensors")
+    if fa_type == "FAKQuant":
+        for row in layers:
+            if row.get("kv_heads") not in (None, 1):
+                findings.append(
+                    f"{row['module']}: FAKQuant expects one latent head "
+                    f"for fa_k/fa_v, found {row['kv_heads']}"
+                )
+    if config is not None and isinstance(config.get("quantization_config"), dict):
+        cfg_type = config["quantization_config"].get("fa_quant_type")
+        if cfg_type is not None and cfg_type != fa_type:
+            findings.append(
+                f"config.json: quantization_config.fa_quant_type "
+                f"{cfg_type!r} != description {fa_type!r}"
+            )
+    return findings
+
+
 def inspect_artifact(
     directory: str | Path,
     target: str | None = None,
@@ -326,29 +359,7 @@ def inspect_artifact(
         for attn in sorted(fa_parts, key=natural_key)
     ]
     fa_type = desc.get("fa_quant_type")
-    if fa_parts and fa_type is None:
-        findings.append(
-            "fa_quant_type: missing from the description although FA "
-            "tensors are present"
-        )
-    elif fa_type is not None and fa_type not in FA_QUANT_TYPES:
-        findings.append(f"fa_quant_type: {fa_type!r}, expected 'FAQuant' or 'FAKQuant'")
-    elif fa_type is not None and not fa_parts:
-        findings.append(f"fa_quant_type: {fa_type!r} but no FA tensors")
-    if fa_type == "FAKQuant":
-        for row in layers:
-            if row.get("kv_heads") not in (None, 1):
-                findings.append(
-                    f"{row['module']}: FAKQuant expects one latent head "
-                    f"for fa_k/fa_v, found {row['kv_heads']}"
-                )
-    if config is not None and isinstance(config.get("quantization_config"), dict):
-        cfg_type = config["quantization_config"].get("fa_quant_type")
-        if cfg_type is not None and cfg_type != fa_type:
-            findings.append(
-                f"config.json: quantization_config.fa_quant_type "
-                f"{cfg_type!r} != description {fa_type!r}"
-            )
+    findings.extend(_fa_type_findings(fa_type, bool(fa_parts), layers, config))
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))

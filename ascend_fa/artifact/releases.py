@@ -107,7 +107,9 @@ _V013 = "6281c1207a7a499e9f23a42b3a1e7027469f2b10"  # tag v0.13.0
 _V018 = "e18643f8a4d5bd9990727654318ad069ea0b56e2"  # tag v0.18.0
 _V023 = "5cb98caaadeff42b5b62b996e34bb2aaa29d20fd"  # tag v0.23.0
 _V0251 = "9bf964cb4b87c8cd0d6852c41a55b3c29711fa95"  # tag v0.25.1rc1
-_MAIN = "182b75ea84ff13ece27b57391331ef8935410aea"  # main, 2026-08-22
+# main, 2026-08-22: the commit the rules of .consumers and the npu backend's
+# vllm-ascend citations (backends/npu_capabilities.VLLM_ASCEND_COMMIT) were read at
+_MAIN = "182b75ea84ff13ece27b57391331ef8935410aea"
 _PR12463 = "86923ba582b9fffb35d9ab9501f52267d0e97874"  # PR #12463 on main
 _MINDIE300 = "8b4871ad31f592aa863f6255760e4934484d78e4"  # tag v3.0.0
 
@@ -143,6 +145,10 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+#: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
+#: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
+#: header to keep this true).
+DEFAULT_MODEL_CONFIG = {"model_type": "llama"}
 #: GGUF ``general.architecture`` -> transformers model_type.
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -527,7 +533,7 @@ def check_release(
 
     The release ``version`` of ``target`` (:func:`resolve_release`) must load what
     ``target`` writes for ``model``, read from its ``config.json`` (or ``config``,
-    or a GGUF header; the default demo model when ``model`` is None). Otherwise an
+    or a GGUF header; :data:`DEFAULT_MODEL_CONFIG` when ``model`` is None). Otherwise an
     :class:`UnsupportedError` says in one line what that release cannot load (or
     would load wrongly), the rule with its citation, and the first release that
     loads it. A model whose type cannot be read here, or is not one ascend-fa
@@ -542,12 +548,7 @@ def check_release(
         src = Path(model)
         config = _json(src / "config.json") or _gguf_config(src, gguf_file)
     elif config is None:
-        from ascend_fa.models import default_model_location
-
-        try:
-            config = _gguf_config(*default_model_location())
-        except Exception:  # noqa: BLE001 - a missing demo model is the loader's error
-            config = None
+        config = DEFAULT_MODEL_CONFIG
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))

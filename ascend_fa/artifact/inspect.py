@@ -242,6 +242,8 @@ def inspect_artifact(
     directory: str | Path,
     target: str | None = None,
     consumer_version: str | None = None,
+    *,
+    releases: bool = True,
 ) -> dict[str, Any]:
     """Validate ``directory``; returns ``{"valid", "target", "findings", "summary",
     "layers"}`` (``layers``: per FA module the heads and scale range per branch).
@@ -252,6 +254,8 @@ def inspect_artifact(
     ``consumer_version`` names the target's release (:func:`.releases.
     resolve_release`; None: its newest stable release); a version the target's
     table does not hold raises :class:`~ascend_fa.errors.InputError`.
+    ``releases=False`` applies the consumer's rules without the release table
+    (for a caller that judged the release itself).
     """
     from safetensors import safe_open
 
@@ -303,6 +307,7 @@ def inspect_artifact(
             "(the artifact records none)"
         )
     release = resolve_release(target, consumer_version) if target else None
+    release = release if releases else None
     result["consumer_version"] = release.name if release else None
     if not has_desc and target != "vllm" and desc_path.is_file() is False:
         findings.append(f"{DESCRIPTION_FILE}: missing")

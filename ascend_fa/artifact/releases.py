@@ -15,7 +15,8 @@ vllm-ascend        nothing quantized in attention        C8 for every GQA model
                                                          silently)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral /
 0.18.x (0.18.0)    FAKQuant                              Qwen2 (one scale kept for
-                                                         every channel) and others
+                                                         every channel, then a
+                                                         RuntimeError) and others
 vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
 0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
 (0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``)
@@ -225,7 +226,7 @@ RULES: tuple[Rule, ...] = (
         False,
         "loads only loaded_weight[0] of each per-channel scale (one scale for "
         "every channel), which its C8 attention then cannot view as "
-        "[1, Hkv, 1, D] (RuntimeError at the first request)",
+        "[1, Hkv, 1, D] (a RuntimeError on its first forward)",
         (
             Citation(
                 VLLM,

@@ -286,7 +286,7 @@ def test_streaming_refusals(tmp_path, capsys):
     out = tmp_path / "out"
     cases = [
         (
-            ["--linear", "w8a8", "--target", "mindie"]
+            ["--linear", "w8a8", "--target", "mindie", "--consumer-version", "3.0.0"]
             + ["--linear-fallback-criterion", "kl"],
             "--linear-fallback-criterion kl",
         ),

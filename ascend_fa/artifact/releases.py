@@ -56,6 +56,7 @@ __all__ = [
     "RELEASES",
     "RULES",
     "DEFAULT_RELEASE",
+    "DEFAULT_MODEL_CONFIG",
     "architecture",
     "resolve_release",
     "release_scheme",

@@ -145,6 +145,31 @@ def check_scale_inv(scale_inv: torch.Tensor) -> None:
         raise BadBlock(row, col, f"a {kind} scale_inv")
 
 
+def _quantize_native(
+    w: torch.Tensor, block: tuple[int, int], out: torch.Tensor
+) -> torch.Tensor | None:
+    """``scale_inv`` from the native one-pass kernel (:mod:`ascend_fa.atb_ops.
+    native`) with the codes in ``out``, or None when it does not apply (nothing
+    written: the eager path runs)."""
+    kernels = native_kernels() if w.device.type == "cpu" else None
+    if (
+        kernels is None
+        or w.dtype not in _INT_VIEW
+        or not (w.is_contiguous() and out.is_contiguous())
+        or out.dtype != torch.float8_e4m3fn
+        or out.device.type != "cpu"
+        or tuple(out.shape) != tuple(w.shape)
+    ):
+        return None
+    scale_inv = torch.empty(scale_shape(w.shape, block))
+    bad = kernels.fp8_quantize(w, block, scale_inv, out)
+    if bad is None:
+        return scale_inv
+    if bad < 0:  # a changed float environment (MXCSR)
+        return None
+    raise BadBlock(*divmod(bad, scale_inv.shape[1]))
+
+
 def quantize_chunk(
     w: torch.Tensor, block: tuple[int, int], ws: Workspace, out: torch.Tensor
 ) -> torch.Tensor:
@@ -159,6 +184,10 @@ def quantize_chunk(
     nbr, nbc = -(-r // br), -(-n // bc)
     if r * n == 0:
         return torch.empty((nbr, nbc))
+    # on CPU, one native pass per block: the same scales, codes and refusals
+    scale_inv = _quantize_native(w, block, out)
+    if scale_inv is not None:
+        return scale_inv
     rows, cols = nbr * br, nbc * bc
     idt, mask, inf_bits = _INT_VIEW[w.dtype]
     # amax(|W|) per block on the integer view of |W| (sign bit cleared). Padding

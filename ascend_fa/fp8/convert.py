@@ -41,6 +41,7 @@ from .output import (
     write_manifest,
 )
 from .safetensors_io import (
+    CONTENT_HASH,
     ITEMSIZE,
     ST_NAME,
     TORCH_DTYPE,
@@ -90,7 +91,8 @@ class ShardTask:
 def convert_shard(
     task: ShardTask, progress: Callable[[int], None] | None = None
 ) -> tuple[str, int, str]:
-    """Convert one shard; returns ``(name, size, sha256)`` of the written file.
+    """Convert one shard; returns ``(name, size, digest)`` of the written file
+    (the :data:`~.safetensors_io.CONTENT_HASH` hex digest).
 
     Runs with one intra-op thread: each chunk op is a few hundred microseconds, too
     short to amortize an OpenMP fork/join, and on a busy machine a descheduled
@@ -350,7 +352,7 @@ def run_conversion(
 
     def record(result: tuple[str, int, str]) -> None:
         name, size, digest = result
-        done[name] = {"size": size, "sha256": digest}
+        done[name] = {"size": size, CONTENT_HASH: digest}
         write_manifest(partial, params, inputs, done)
         if on_shard_done is not None:
             on_shard_done(name)

@@ -59,6 +59,41 @@ static inline __m256 e4m3x8(__m128i bytes8) {
     return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
+/* bf16 bits of y, round to nearest even (y never NaN here: NaN codes are refused
+   first and the scales are finite), on 8 lanes. */
+__attribute__((target("avx2,f16c")))
+static inline __m256i bf16_rne8(__m256 y) {
+    __m256i w = _mm256_castps_si256(y);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
+    w = _mm256_add_epi32(w, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+    return _mm256_srli_epi32(w, 16);
+}
+
+/* 16 codes at a time to bf16 (the common case): c[j..end) in a block with scale
+   sc. value / 2^8 (the fp16 bit move, exact) times sc * 2^8 (exact while finite,
+   checked by the caller) is the exact real value * sc, rounded once: the same fp32
+   product as value * sc. Returns where it stopped: at end's last 16-multiple or
+   before the first group holding a NaN code (the 8-lane loop then names it). */
+__attribute__((target("avx2,f16c")))
+static int64_t bf16x16(const uint8_t *c, uint16_t *o, int64_t j, int64_t end,
+                       float sc256) {
+    const __m128i low7 = _mm_set1_epi8(0x7f), keep = _mm_set1_epi16((short)0xBFFF);
+    const __m256 s = _mm256_set1_ps(sc256);
+    for (; j + 16 <= end; j += 16) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(c + j));
+        if (_mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b, low7), low7))) break;
+        __m128i hl = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), keep);
+        __m128i hh = _mm_and_si128(
+            _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(b, 8)), 7), keep);
+        __m256i lo = bf16_rne8(_mm256_mul_ps(_mm256_cvtph_ps(hl), s));
+        __m256i hi = bf16_rne8(_mm256_mul_ps(_mm256_cvtph_ps(hh), s));
+        /* packus works per 128-bit lane: lo0-3 hi0-3 | lo4-7 hi4-7 -> in order */
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+        _mm256_storeu_si256((__m256i *)(o + j), packed);
+    }
+    return j;
+}
+
 __attribute__((target("avx2,f16c")))
 static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
                         const float *scale, int64_t br, int64_t bc,
@@ -74,6 +109,8 @@ static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
             float sc = srow[j0 / bc];
             __m256 s = _mm256_set1_ps(sc);
             int64_t j = j0;
+            if (kind == 0 && sc * 256.0f <= FLT_MAX)
+                j = bf16x16(c, o, j, end, sc * 256.0f);
             for (; j + 8 <= end; j += 8) {
                 __m128i b = _mm_loadl_epi64((const __m128i *)(c + j));
                 int nan = _mm_movemask_epi8(

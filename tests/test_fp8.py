@@ -290,6 +290,7 @@ def test_quantize_blockwise_bit_equal_to_naive(shape, dtype):
 def test_quantize_blockwise_other_block_size_and_chunks(monkeypatch):
     # Small chunks force many chunks per tensor, including a partial last one.
     monkeypatch.setattr(blocks, "CHUNK_ELEMS", 64 * 100)
+    monkeypatch.setattr(blocks, "NATIVE_CHUNK_ELEMS", 64 * 100)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(333, 100, generator=gen) * 5).to(torch.bfloat16)
     q, s = quantize_blockwise(w, (64, 48))
@@ -495,6 +496,7 @@ def test_streaming_in_one_block_row_chunks_matches_naive(tmp_path, monkeypatch):
     """Every tensor streamed one block row at a time (file offsets per chunk, the
     partial last block row, scales assembled across chunks)."""
     monkeypatch.setattr(blocks, "CHUNK_ELEMS", 1)
+    monkeypatch.setattr(blocks, "NATIVE_CHUNK_ELEMS", 1)
     src = make_bf16_checkpoint(tmp_path / "bf16")
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "fp8") == 0
     got = flat(tmp_path / "fp8")

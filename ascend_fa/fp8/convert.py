@@ -89,7 +89,9 @@ class ShardTask:
 
 
 def convert_shard(
-    task: ShardTask, progress: Callable[[int], None] | None = None
+    task: ShardTask,
+    progress: Callable[[int], None] | None = None,
+    ws: Workspace | None = None,
 ) -> tuple[str, int, str]:
     """Convert one shard; returns ``(name, size, digest)`` of the written file
     (the :data:`~.safetensors_io.CONTENT_HASH` hex digest).
@@ -98,11 +100,13 @@ def convert_shard(
     short to amortize an OpenMP fork/join, and on a busy machine a descheduled
     thread stalls every op's barrier (measured 10-50x slower). Parallelism comes
     from the writer's threads and from ``workers`` processes over shards instead.
+    ``ws`` (chunk and write staging buffers) is reused across the shards one
+    process converts.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _convert(task, progress)
+        return _convert(task, progress, Workspace() if ws is None else ws)
     finally:
         torch.set_num_threads(threads)
 
@@ -136,11 +140,10 @@ def _plan(task: ShardTask, header: ShardHeader) -> list[PlannedTensor]:
 
 
 def _convert(
-    task: ShardTask, progress: Callable[[int], None] | None
+    task: ShardTask, progress: Callable[[int], None] | None, ws: Workspace
 ) -> tuple[str, int, str]:
     header = read_safetensors_header(task.src)
-    writer = ShardWriter(task.dst, _plan(task, header), header.metadata)
-    ws = Workspace()
+    writer = ShardWriter(task.dst, _plan(task, header), header.metadata, ws.staging)
     out_dtype = OUT_DTYPES[task.out_dtype]
     try:
         with open_regular(task.src) as f:
@@ -232,8 +235,14 @@ def _stream_dequantize(
             raise _bad_block(path, t, b0, e, block) from None
 
 
+#: A worker process's buffers, reused across the shards it converts.
+_WORKER_WS: list[Workspace] = []
+
+
 def _worker_entry(task: ShardTask) -> tuple[str, int, str]:
-    return convert_shard(task)
+    if not _WORKER_WS:
+        _WORKER_WS.append(Workspace())
+    return convert_shard(task, ws=_WORKER_WS[0])
 
 
 def plan_workers(requested: int, num_shards: int, available: int | None = None) -> int:
@@ -360,9 +369,10 @@ def run_conversion(
     try:
         n_workers = plan_workers(workers, len(todo)) if todo else 1
         if n_workers <= 1:
+            ws = Workspace()
             for t in todo:
                 before = bar.n if bar is not None else 0
-                record(convert_shard(t, bar.update if bar is not None else None))
+                record(convert_shard(t, bar.update if bar is not None else None, ws))
                 if bar is not None:  # header bytes: land on the shard's size
                     bar.update(before + ckpt.shards[t.src.name].size - bar.n)
         else:

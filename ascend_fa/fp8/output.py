@@ -97,6 +97,10 @@ def write_new_json(path: Path, obj: Any) -> None:
     write_new_file(path, text.encode("utf-8"))
 
 
+def _known_format(fmt: Any) -> bool:
+    return isinstance(fmt, str) and fmt in _RECORD_HASH
+
+
 def _manifest_of(directory: Path) -> dict | None:
     """The parsed manifest in ``directory``, or None if there is no valid one."""
     path = directory / MANIFEST_NAME
@@ -106,7 +110,7 @@ def _manifest_of(directory: Path) -> dict | None:
         body = load_json(path)
     except FP8FormatError:
         return None
-    return body if body.get("format") in _RECORD_HASH else None
+    return body if _known_format(body.get("format")) else None
 
 
 def is_conversion_output(path: Path) -> bool:
@@ -234,7 +238,7 @@ def load_manifest(
         manifest = load_json(path)
     except FP8FormatError as exc:
         raise _bad_manifest(partial, exc.message) from None
-    if manifest.get("format") not in _RECORD_HASH:
+    if not _known_format(manifest.get("format")):
         raise _bad_manifest(partial, "unknown manifest format")
     key, length = _RECORD_HASH[manifest["format"]]
     old_params, old_inputs, done = (

@@ -13,9 +13,9 @@ that the data offsets tile the file exactly. Errors are
 :class:`~ascend_fa.fp8.errors.FP8FormatError` naming the file.
 
 :class:`ShardWriter` writes a file whose header is fixed up front; tensor bytes are
-computed straight into staging buffers that a background thread hashes
-(xxh3-128, :data:`CONTENT_HASH`) and writes while they are still in cache, so the
-output is never reread.
+computed straight into staging buffers, hashed (xxh3-128, :data:`CONTENT_HASH`)
+while they are still in cache and written by a background thread, so the output
+is never reread.
 """
 
 from __future__ import annotations
@@ -345,12 +345,12 @@ class ShardWriter:
     the final name is always complete.
 
     Callers get views of a staging buffer (:meth:`tensor_out`, :meth:`reserve`) and
-    fill them; full buffers go to a background thread that hashes each one
-    (:data:`CONTENT_HASH`, while it is still in cache) and writes it (both release
-    the GIL), overlapping the next chunk's arithmetic. The buffer then returns to
-    the pool. ``staging``, a list shared by the writers of one process, lends its
-    buffers to this writer and gets them back when it stops: fresh buffers for
-    every shard would page-fault again on first use.
+    fill them; a full buffer is hashed (:data:`CONTENT_HASH`, while it is still in
+    cache) and goes to a background thread that writes it (releasing the GIL),
+    overlapping the next chunk's arithmetic. The buffer then returns to the pool.
+    ``staging``, a list shared by the writers of one process, lends its buffers
+    to this writer and gets them back when it stops: fresh buffers for every
+    shard would page-fault again on first use.
     """
 
     def __init__(
@@ -408,7 +408,6 @@ class ShardWriter:
                     data = memoryview(buf.numpy())[:n]
                     for i in range(0, n, WRITE_PIECE):
                         mv = data[i : i + WRITE_PIECE]
-                        self._hash.update(mv)
                         while mv.nbytes:
                             mv = mv[os.write(self._fd, mv) :]
                 except BaseException as exc:  # re-raised in the caller's thread
@@ -428,6 +427,10 @@ class ShardWriter:
 
     def _flush(self) -> None:
         if self._fill:
+            # hashed here, right after the chunk was computed into the buffer (in
+            # cache), which also keeps the writer thread, the longer of the two,
+            # to the write alone
+            self._hash.update(memoryview(self._buf.numpy())[: self._fill])
             self._queue.put((self._buf, self._fill))
             self._buf, self._fill = self._take(WRITE_BYTES), 0
 

@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 
 from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
+from .native_fp8 import FP8_SOURCE
 
 __all__ = [
     "NATIVE_ENV",
@@ -639,114 +640,6 @@ int afa_copy_write(const void *src, int64_t T, int64_t row_bytes, const void *sl
     return 0;
 }
 
-/* -- FP8 E4M3 block dequantize ---------------------------------------------------
-   out[i, j] = to_dtype(fl32(value(codes[i, j]) * scale[i / br, j / bc])), the eager
-   ``(codes.float() * scale_inv).to(dtype)``. The E4M3 value is exact in fp32 (lut,
-   or on AVX2 the code's bits moved into fp16, which is value / 2^8, widened and
-   scaled by 2^8: exact, a power of two); the product is the one fp32 rounding; the
-   narrowing rounds to nearest even as torch's casts do (bf16: the integer form of
-   c10's round_to_nearest_even, fp16: vcvtps2ph with RN). Returns -1, or 2 * k for
-   the first NaN code at flat index k (row-major; stops there), or 2 * k + 1 for the
-   first fp16 result that is not finite, or -3 when fp16 output needs F16C. */
-static inline uint16_t bf16_rne(float y) {
-    uint32_t b;
-    memcpy(&b, &y, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-static int64_t fp8_scalar(const uint8_t *codes, int64_t r, int64_t n,
-                          const float *scale, int64_t br, int64_t bc,
-                          const float *lut, uint16_t *out, int kind) {
-    if (kind != 0) return -3;
-    int64_t nbc = (n + bc - 1) / bc;
-    for (int64_t i = 0; i < r; i++) {
-        const float *srow = scale + (i / br) * nbc;
-        const uint8_t *c = codes + i * n;
-        uint16_t *o = out + i * n;
-        for (int64_t j = 0; j < n; j++) {
-            if ((c[j] & 0x7f) == 0x7f) return 2 * (i * n + j);
-            o[j] = bf16_rne(lut[c[j]] * srow[j / bc]);
-        }
-    }
-    return -1;
-}
-
-#ifdef HAVE_X86
-__attribute__((target("avx2,f16c")))
-static inline __m256 e4m3x8(__m128i bytes8) {
-    /* sign-extend, << 7: bit 15 sign, bit 14 sign again (cleared), 13..7 the code's
-       exponent and mantissa -> fp16 of value / 2^8 */
-    __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes8), 7);
-    h = _mm_and_si128(h, _mm_set1_epi16((short)0xBFFF));
-    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-}
-
-__attribute__((target("avx2,f16c")))
-static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
-                        const float *scale, int64_t br, int64_t bc,
-                        const float *lut, uint16_t *out, int kind) {
-    int64_t nbc = (n + bc - 1) / bc;
-    const __m128i low7 = _mm_set1_epi8(0x7f);
-    for (int64_t i = 0; i < r; i++) {
-        const float *srow = scale + (i / br) * nbc;
-        const uint8_t *c = codes + i * n;
-        uint16_t *o = out + i * n;
-        for (int64_t j0 = 0; j0 < n; j0 += bc) {
-            int64_t end = j0 + bc < n ? j0 + bc : n;
-            float sc = srow[j0 / bc];
-            __m256 s = _mm256_set1_ps(sc);
-            int64_t j = j0;
-            for (; j + 8 <= end; j += 8) {
-                __m128i b = _mm_loadl_epi64((const __m128i *)(c + j));
-                int nan = _mm_movemask_epi8(
-                    _mm_cmpeq_epi8(_mm_and_si128(b, low7), low7)) & 0xff;
-                if (nan) return 2 * (i * n + j + __builtin_ctz(nan));
-                __m256 y = _mm256_mul_ps(e4m3x8(b), s);
-                __m128i packed;
-                if (kind == 0) {
-                    __m256i w = _mm256_castps_si256(y);
-                    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16),
-                                                   _mm256_set1_epi32(1));
-                    w = _mm256_add_epi32(w, _mm256_add_epi32(
-                        odd, _mm256_set1_epi32(0x7fff)));
-                    w = _mm256_srli_epi32(w, 16);
-                    packed = _mm_packus_epi32(_mm256_castsi256_si128(w),
-                                              _mm256_extracti128_si256(w, 1));
-                } else {
-                    packed = _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT);
-                    __m128i ex = _mm_and_si128(packed, _mm_set1_epi16(0x7c00));
-                    int inf = _mm_movemask_epi8(
-                        _mm_cmpeq_epi16(ex, _mm_set1_epi16(0x7c00)));
-                    if (inf) return 2 * (i * n + j + __builtin_ctz(inf) / 2) + 1;
-                }
-                _mm_storeu_si128((__m128i *)(o + j), packed);
-            }
-            for (; j < end; j++) {
-                if ((c[j] & 0x7f) == 0x7f) return 2 * (i * n + j);
-                float y = lut[c[j]] * sc;
-                if (kind == 0) {
-                    o[j] = bf16_rne(y);
-                } else {
-                    o[j] = _cvtss_sh(y, _MM_FROUND_TO_NEAREST_INT);
-                    if ((o[j] & 0x7c00) == 0x7c00) return 2 * (i * n + j) + 1;
-                }
-            }
-        }
-    }
-    return -1;
-}
-#endif
-
-int64_t afa_fp8_dequantize(const uint8_t *codes, int64_t r, int64_t n,
-                           const float *scale, int64_t br, int64_t bc,
-                           const float *lut, uint16_t *out, int kind) {
-#ifdef HAVE_X86
-    if (afa_simd()) return fp8_avx2(codes, r, n, scale, br, bc, lut, out, kind);
-#endif
-    return fp8_scalar(codes, r, n, scale, br, bc, lut, out, kind);
-}
-
 /* The quantizer alone, for tests: src [n] -> out [n] with one scale. */
 void afa_quantize(const void *src, int dtype, int64_t n, float s, int8_t *out) {
     quant(src, dtype, n, s, out);
@@ -768,7 +661,8 @@ _CFLAGS = (
 
 def _source() -> str:
     return (
-        _SOURCE.replace("@ROW_MAX@", str(MAX_ROW_BYTES))
+        (_SOURCE + FP8_SOURCE)
+        .replace("@ROW_MAX@", str(MAX_ROW_BYTES))
         .replace("@ROUND_MAGIC@", repr(float(ROUND_MAGIC)))
         .replace("@CODE_MIN@", str(INT8_MIN))
         .replace("@CODE_MAX@", str(INT8_MAX))
@@ -949,6 +843,10 @@ class NativeKernels:
             ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int
         ]  # fmt: skip
         lib.afa_fp8_dequantize.restype = i64
+        lib.afa_fp8_quantize.argtypes = [ptr, c_int, i64, i64, i64, i64, ptr, ptr]
+        lib.afa_fp8_quantize.restype = i64
+        lib.afa_fp8_e4m3.argtypes = [ptr, i64, ptr]
+        lib.afa_fp8_e4m3.restype = i64
         lib.afa_repeated_slot.argtypes = [ptr, c_int, i64, i64, i64, i64]
         lib.afa_repeated_slot.restype = i64
         lib.afa_set_simd.argtypes = [c_int]
@@ -1094,6 +992,41 @@ class NativeKernels:
         if rc == -3:
             return ("unsupported", -1)
         return ("overflow" if rc % 2 else "nan", rc // 2)
+
+    def fp8_quantize(
+        self,
+        w: torch.Tensor,
+        block: tuple[int, int],
+        scale_inv: torch.Tensor,
+        codes: torch.Tensor,
+    ) -> int | None:
+        """Block-quantize contiguous ``w [r, n]`` (fp16, bf16 or fp32) into
+        contiguous ``codes [r, n] float8_e4m3fn`` and fp32 ``scale_inv
+        [ceil(r/BR), ceil(n/BC)]``, equal to the eager rule bit for bit. Returns
+        None, the flat index of the first block holding inf or NaN (row-major), or
+        -1 when this thread's float environment is not the default one (MXCSR
+        rounding or flush-to-zero changed: nothing written, the caller runs the
+        eager path)."""
+        r, n = w.shape
+        rc = self._lib.afa_fp8_quantize(
+            w.data_ptr(),
+            _DTYPE_CODES[w.dtype],
+            r,
+            n,
+            block[0],
+            block[1],
+            scale_inv.data_ptr(),
+            codes.data_ptr(),
+        )
+        return None if rc == -1 else (-1 if rc == -2 else int(rc))
+
+    def fp8_e4m3(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The kernels' fp32 -> float8_e4m3fn conversion of contiguous fp32 ``x``
+        (exposed so tests can sweep it against torch's cast); None outside the
+        default float environment."""
+        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        rc = self._lib.afa_fp8_e4m3(x.data_ptr(), x.numel(), out.data_ptr())
+        return None if rc == -2 else out
 
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """The kernel's quantizer alone: codes of contiguous ``x`` under one scale

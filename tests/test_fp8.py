@@ -3,6 +3,7 @@ conversion through the CLI, resume after interruption, and every bad input."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -290,6 +292,7 @@ def test_quantize_blockwise_bit_equal_to_naive(shape, dtype):
 def test_quantize_blockwise_other_block_size_and_chunks(monkeypatch):
     # Small chunks force many chunks per tensor, including a partial last one.
     monkeypatch.setattr(blocks, "CHUNK_ELEMS", 64 * 100)
+    monkeypatch.setattr(blocks, "NATIVE_CHUNK_ELEMS", 64 * 100)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(333, 100, generator=gen) * 5).to(torch.bfloat16)
     q, s = quantize_blockwise(w, (64, 48))
@@ -495,6 +498,7 @@ def test_streaming_in_one_block_row_chunks_matches_naive(tmp_path, monkeypatch):
     """Every tensor streamed one block row at a time (file offsets per chunk, the
     partial last block row, scales assembled across chunks)."""
     monkeypatch.setattr(blocks, "CHUNK_ELEMS", 1)
+    monkeypatch.setattr(blocks, "NATIVE_CHUNK_ELEMS", 1)
     src = make_bf16_checkpoint(tmp_path / "bf16")
     assert _quantize_cli(tmp_path / "bf16", tmp_path / "fp8") == 0
     got = flat(tmp_path / "fp8")
@@ -811,7 +815,8 @@ def test_interrupt_then_resume_is_byte_identical(tmp_path, caplog):
     assert list(manifest["done"]) == ["model-00001-of-00003.safetensors"]
     assert manifest["complete"] is False
     rec = manifest["done"]["model-00001-of-00003.safetensors"]
-    assert rec["size"] == (partial / "model-00001-of-00003.safetensors").stat().st_size
+    shard = (partial / "model-00001-of-00003.safetensors").read_bytes()
+    assert rec == {"size": len(shard), "xxh3_128": xxhash.xxh3_128(shard).hexdigest()}
     # a shard half-written when the process died
     (partial / "model-00002-of-00003.safetensors.tmp").write_bytes(b"\0" * 100)
     with caplog.at_level(logging.INFO, logger="ascend_fa.fp8"):
@@ -857,6 +862,48 @@ def test_resume_redoes_a_tampered_shard(tmp_path, caplog):
         assert _dequantize_cli(tmp_path / "fp8", tmp_path / "out") == 0
     assert "failed verification" in caplog.text
     assert tree_bytes(tmp_path / "out") == tree_bytes(tmp_path / "clean")
+
+
+def _as_first_format(partial: Path) -> None:
+    """Rewrite the manifest as the first manifest format had it: sha256 records."""
+    path = partial / fp8.MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    manifest["format"] = "ascend-fa-fp8-manifest/1"
+    manifest["done"] = {
+        name: {
+            "size": rec["size"],
+            "sha256": hashlib.sha256((partial / name).read_bytes()).hexdigest(),
+        }
+        for name, rec in manifest["done"].items()
+    }
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_resume_from_a_sha256_manifest(tmp_path, caplog, flip):
+    """A conversion interrupted under the first manifest format (sha256 records)
+    still resumes: its shards are verified by sha256 (a flipped byte is found and
+    the shard converted again), and the finished output, manifest included, is
+    byte-identical to a clean run's (records rewritten as xxh3-128)."""
+    make_bf16_checkpoint(tmp_path / "bf16")
+    assert _quantize_cli(tmp_path / "bf16", tmp_path / "clean") == 0
+    out = tmp_path / "out"
+    interrupted(quantize_checkpoint, tmp_path / "bf16", out)
+    _as_first_format(partial_of(out))
+    if flip:
+        victim = partial_of(out) / "model-00001-of-00003.safetensors"
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="ascend_fa.fp8"):
+        assert _quantize_cli(tmp_path / "bf16", out) == 0
+    assert ("failed verification" in caplog.text) == flip
+    assert ("1 of 3 shards already done" in caplog.text) != flip
+    assert tree_bytes(out) == tree_bytes(tmp_path / "clean")
+    final = json.loads((out / fp8.MANIFEST_NAME).read_text())
+    assert final["format"] == "ascend-fa-fp8-manifest/2"
+    for name, rec in final["done"].items():
+        assert rec["xxh3_128"] == xxhash.xxh3_128((out / name).read_bytes()).hexdigest()
 
 
 def test_resume_with_different_parameters_is_refused(tmp_path, capsys):

@@ -220,11 +220,18 @@ def test_fuzzed_index_and_config(index, config):
         JSON,
         st.fixed_dictionaries(
             {
-                "format": st.just("ascend-fa-fp8-manifest/1") | JSON,
+                "format": st.sampled_from(
+                    ["ascend-fa-fp8-manifest/1", "ascend-fa-fp8-manifest/2"]
+                )
+                | JSON,
                 "params": st.just({"a": 1}) | JSON,
                 "inputs": st.just({}) | JSON,
                 "done": st.dictionaries(
-                    NAMES, JSON | st.just({"size": 3, "sha256": "0" * 64}), max_size=3
+                    NAMES,
+                    JSON
+                    | st.just({"size": 3, "sha256": "0" * 64})
+                    | st.just({"size": 3, "xxh3_128": "0" * 32}),
+                    max_size=3,
                 )
                 | JSON,
             }

@@ -17,7 +17,7 @@ _REGEX_NOTE = (
 
 _ROBUST_NOTE = (
     "The output is written to OUTPUT.partial/ with a manifest of finished shards "
-    "(size, sha256) and the conversion parameters, and renamed to OUTPUT when "
+    "(size, xxh3-128 hash) and the conversion parameters, and renamed to OUTPUT when "
     "complete; OUTPUT keeps the manifest. Rerunning the same command after an "
     "interruption resumes it (finished shards are verified and skipped); a rerun "
     "with different parameters is refused. An existing non-empty OUTPUT is refused "

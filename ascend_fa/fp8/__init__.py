@@ -23,7 +23,7 @@ Three layers, one module each:
   from the input in chunks of whole block rows and written straight to the output
   file (:mod:`~ascend_fa.fp8.safetensors_io`), so memory is a few chunks per
   worker, independent of shard and tensor size. Output goes to
-  ``<output>.partial/`` with a manifest of finished shards (size, sha256) and the
+  ``<output>.partial/`` with a manifest of finished shards (size, xxh3-128) and the
   conversion parameters (:mod:`~ascend_fa.fp8.output`); a rerun resumes, a
   finished run renames it to ``<output>``, which keeps the manifest.
   ``workers`` processes convert shards in parallel (:func:`plan_workers`);

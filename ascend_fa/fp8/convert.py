@@ -41,6 +41,7 @@ from .output import (
     write_manifest,
 )
 from .safetensors_io import (
+    CONTENT_HASH,
     ITEMSIZE,
     ST_NAME,
     TORCH_DTYPE,
@@ -88,19 +89,24 @@ class ShardTask:
 
 
 def convert_shard(
-    task: ShardTask, progress: Callable[[int], None] | None = None
+    task: ShardTask,
+    progress: Callable[[int], None] | None = None,
+    ws: Workspace | None = None,
 ) -> tuple[str, int, str]:
-    """Convert one shard; returns ``(name, size, sha256)`` of the written file.
+    """Convert one shard; returns ``(name, size, digest)`` of the written file
+    (the :data:`~.safetensors_io.CONTENT_HASH` hex digest).
 
     Runs with one intra-op thread: each chunk op is a few hundred microseconds, too
     short to amortize an OpenMP fork/join, and on a busy machine a descheduled
     thread stalls every op's barrier (measured 10-50x slower). Parallelism comes
     from the writer's threads and from ``workers`` processes over shards instead.
+    ``ws`` (chunk and write staging buffers) is reused across the shards one
+    process converts.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _convert(task, progress)
+        return _convert(task, progress, Workspace() if ws is None else ws)
     finally:
         torch.set_num_threads(threads)
 
@@ -134,11 +140,10 @@ def _plan(task: ShardTask, header: ShardHeader) -> list[PlannedTensor]:
 
 
 def _convert(
-    task: ShardTask, progress: Callable[[int], None] | None
+    task: ShardTask, progress: Callable[[int], None] | None, ws: Workspace
 ) -> tuple[str, int, str]:
     header = read_safetensors_header(task.src)
-    writer = ShardWriter(task.dst, _plan(task, header), header.metadata)
-    ws = Workspace()
+    writer = ShardWriter(task.dst, _plan(task, header), header.metadata, ws.staging)
     out_dtype = OUT_DTYPES[task.out_dtype]
     try:
         with open_regular(task.src) as f:
@@ -230,8 +235,14 @@ def _stream_dequantize(
             raise _bad_block(path, t, b0, e, block) from None
 
 
+#: A worker process's buffers, reused across the shards it converts.
+_WORKER_WS: list[Workspace] = []
+
+
 def _worker_entry(task: ShardTask) -> tuple[str, int, str]:
-    return convert_shard(task)
+    if not _WORKER_WS:
+        _WORKER_WS.append(Workspace())
+    return convert_shard(task, ws=_WORKER_WS[0])
 
 
 def plan_workers(requested: int, num_shards: int, available: int | None = None) -> int:
@@ -350,7 +361,7 @@ def run_conversion(
 
     def record(result: tuple[str, int, str]) -> None:
         name, size, digest = result
-        done[name] = {"size": size, "sha256": digest}
+        done[name] = {"size": size, CONTENT_HASH: digest}
         write_manifest(partial, params, inputs, done)
         if on_shard_done is not None:
             on_shard_done(name)
@@ -358,9 +369,10 @@ def run_conversion(
     try:
         n_workers = plan_workers(workers, len(todo)) if todo else 1
         if n_workers <= 1:
+            ws = Workspace()
             for t in todo:
                 before = bar.n if bar is not None else 0
-                record(convert_shard(t, bar.update if bar is not None else None))
+                record(convert_shard(t, bar.update if bar is not None else None, ws))
                 if bar is not None:  # header bytes: land on the shard's size
                     bar.update(before + ckpt.shards[t.src.name].size - bar.n)
         else:

@@ -3,8 +3,11 @@ the final rename.
 
 A conversion writes ``OUTPUT.partial/`` and renames it to ``OUTPUT`` when complete.
 ``OUTPUT.partial/.ascend_fa_fp8_manifest.json`` records the parameters, the input
-shards (size, header hash, mtime) and every finished output shard (size, sha256);
-a rerun with the same parameters and inputs resumes from it. The finished output
+shards (size, header hash, mtime) and every finished output shard (size, xxh3-128
+of its bytes); a rerun with the same parameters and inputs resumes from it. A
+manifest of the first format (``.../1``, shards hashed with sha256) is still
+resumed: its shards are verified by sha256 (and hashed with xxh3-128 in the same
+read for the new manifest). The finished output
 keeps the manifest (marked ``"complete": true``): it is how ``--overwrite``
 recognises a directory this tool wrote, and a checksum list of the shards.
 
@@ -26,18 +29,21 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from ..errors import OutputExistsError
 from .checkpoint import load_json
 from .errors import FP8FormatError, FP8InputError, FP8UnsafePathError
-from .safetensors_io import create_new_file, open_regular
+from .safetensors_io import CONTENT_HASH, create_new_file, open_regular
 
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
-    "file_sha256",
+    "file_digests",
     "finish_output",
     "is_conversion_output",
     "load_manifest",
@@ -52,7 +58,13 @@ __all__ = [
 log = logging.getLogger("ascend_fa.fp8")
 
 MANIFEST_NAME = ".ascend_fa_fp8_manifest.json"
-MANIFEST_FORMAT = "ascend-fa-fp8-manifest/1"
+MANIFEST_FORMAT = "ascend-fa-fp8-manifest/2"
+#: Formats read back -> the hash their shard records carry (hex digest length).
+_RECORD_HASH = {
+    "ascend-fa-fp8-manifest/1": ("sha256", 64),
+    MANIFEST_FORMAT: (CONTENT_HASH, 32),
+}
+_HASHERS = {"sha256": hashlib.sha256, CONTENT_HASH: xxhash.xxh3_128}
 _HASH_BYTES = 16 << 20
 
 
@@ -60,12 +72,17 @@ def partial_dir(output: Path) -> Path:
     return output.with_name(output.name + ".partial")
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digests(path: Path, algorithms: Sequence[str]) -> dict[str, str]:
+    """Hex digests of ``path`` for each of ``algorithms`` (``"sha256"``,
+    ``"xxh3_128"``), all from one read of the file."""
+    hashers = {a: _HASHERS[a]() for a in algorithms}
+    buf = bytearray(_HASH_BYTES)
+    view = memoryview(buf)
     with open_regular(path) as f:
-        while chunk := f.read(_HASH_BYTES):
-            h.update(chunk)
-    return h.hexdigest()
+        while n := f.readinto(buf):
+            for h in hashers.values():
+                h.update(view[:n])
+    return {a: h.hexdigest() for a, h in hashers.items()}
 
 
 def write_new_file(path: Path, data: bytes) -> None:
@@ -80,6 +97,10 @@ def write_new_json(path: Path, obj: Any) -> None:
     write_new_file(path, text.encode("utf-8"))
 
 
+def _known_format(fmt: Any) -> bool:
+    return isinstance(fmt, str) and fmt in _RECORD_HASH
+
+
 def _manifest_of(directory: Path) -> dict | None:
     """The parsed manifest in ``directory``, or None if there is no valid one."""
     path = directory / MANIFEST_NAME
@@ -89,7 +110,7 @@ def _manifest_of(directory: Path) -> dict | None:
         body = load_json(path)
     except FP8FormatError:
         return None
-    return body if body.get("format") == MANIFEST_FORMAT else None
+    return body if _known_format(body.get("format")) else None
 
 
 def is_conversion_output(path: Path) -> bool:
@@ -171,22 +192,34 @@ def _bad_manifest(partial: Path, why: str) -> FP8FormatError:
     )
 
 
-def _valid_record(rec: Any) -> bool:
+def _valid_record(rec: Any, key: str, length: int) -> bool:
     return (
         isinstance(rec, dict)
         and isinstance(rec.get("size"), int)
         and not isinstance(rec.get("size"), bool)
         and rec["size"] >= 0
-        and isinstance(rec.get("sha256"), str)
-        and len(rec["sha256"]) == 64
+        and isinstance(rec.get(key), str)
+        and len(rec[key]) == length
     )
+
+
+def _verified(f: Path, rec: dict, key: str) -> dict | None:
+    """The record of the finished shard ``f`` in the current format when its size
+    and ``key`` hash match ``rec``, else None (one read of the file)."""
+    if f.is_symlink() or not f.is_file() or f.stat().st_size != rec["size"]:
+        return None
+    digests = file_digests(f, sorted({key, CONTENT_HASH}))
+    if digests[key] != rec[key]:
+        return None
+    return {"size": rec["size"], CONTENT_HASH: digests[CONTENT_HASH]}
 
 
 def load_manifest(
     partial: Path, params: dict, inputs: dict, shard_names: set[str]
 ) -> dict[str, dict]:
-    """Finished shards of an interrupted run (verified by size and sha256), or
-    ``{}`` for a fresh start (``partial`` is then created, empty)."""
+    """Finished shards of an interrupted run (verified by size and content hash;
+    returned as records of the current format), or ``{}`` for a fresh start
+    (``partial`` is then created, empty)."""
     if not partial.exists():
         partial.mkdir(parents=True)
         return {}
@@ -205,14 +238,17 @@ def load_manifest(
         manifest = load_json(path)
     except FP8FormatError as exc:
         raise _bad_manifest(partial, exc.message) from None
-    if manifest.get("format") != MANIFEST_FORMAT:
+    if not _known_format(manifest.get("format")):
         raise _bad_manifest(partial, "unknown manifest format")
+    key, length = _RECORD_HASH[manifest["format"]]
     old_params, old_inputs, done = (
         manifest.get(k) for k in ("params", "inputs", "done")
     )
     if not isinstance(old_params, dict) or not isinstance(old_inputs, dict):
         raise _bad_manifest(partial, "the manifest lacks params or inputs")
-    if not isinstance(done, dict) or not all(_valid_record(r) for r in done.values()):
+    if not isinstance(done, dict) or not all(
+        _valid_record(r, key, length) for r in done.values()
+    ):
         raise _bad_manifest(partial, "the manifest's done list is malformed")
     stray = sorted(set(done) - shard_names)
     if stray:
@@ -240,13 +276,9 @@ def load_manifest(
     verified = {}
     for name, rec in done.items():
         f = partial / name
-        if (
-            not f.is_symlink()
-            and f.is_file()
-            and f.stat().st_size == rec["size"]
-            and file_sha256(f) == rec["sha256"]
-        ):
-            verified[name] = rec
+        new = _verified(f, rec, key)
+        if new is not None:
+            verified[name] = new
         else:
             log.warning("%s: finished shard failed verification; converting again", f)
     return verified

@@ -35,6 +35,7 @@ from .format import (
     WEIGHTS_NAME,
     ScaleMap,
     c8_tensor_name,
+    description_problem,
     disk_scale,
     dtype_name,
     fa_tensor_name,
@@ -45,6 +46,13 @@ from .format import (
 from .inspect import inspect_artifact, natural_key, scale_findings
 from .lazy import LazyTensors, TensorSpec, write_safetensors
 from .merge import check_merge_export
+from .model_files import (
+    artifact_config,
+    copy_model_files,
+    read_source_config,
+    rope_findings,
+    with_transformers4_rope,
+)
 from .output import atomic_output_dir, check_output_dir, is_own_artifact
 from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
 from .targets import (
@@ -103,6 +111,11 @@ __all__ = [
     "resolve_target",
     "scale_findings",
     "target_config",
+    "artifact_config",
+    "copy_model_files",
+    "read_source_config",
+    "rope_findings",
+    "with_transformers4_rope",
     "target_description",
     "target_findings",
     "vllm_kv_name",
@@ -116,6 +129,7 @@ __all__ = [
     "FA_WEIGHTS_NAME",
     "LEGACY_WEIGHTS_NAME",
     "META_KEYS",
+    "description_problem",
     "REPORT_FILE",
     "TOKENIZER_FILES",
     "WEIGHTS_INDEX_NAME",

@@ -49,6 +49,7 @@ from .format import (
     FA_TENSOR,
     TARGETS,
     VLLM_KV_TENSOR,
+    description_problem,
     is_meta_key,
 )
 from .reader import read_tensor_index, weight_files
@@ -241,6 +242,9 @@ def inspect_artifact(
         loaded = _read_json(desc_path, findings)
         if isinstance(loaded, dict):
             desc, has_desc = loaded, True
+            problem = description_problem(desc)
+            if problem is not None:
+                findings.append(f"{DESCRIPTION_FILE}: {problem}")
         elif loaded is not None:
             findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
     config: dict[str, Any] | None = None

@@ -349,19 +349,16 @@ def target_config(
     dtype: torch.dtype,
     *,
     kv_strategy: str = "tensor",
+    source: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``config.json`` for ``target``: the model's config without
-    ``quantization_config`` (vLLM's ``get_quant_config`` would take it as the whole
-    description; msModelSlim's saver removes it), ``torch_dtype`` (MindIE reads it;
-    ``dtype`` too for newer transformers) set to ``dtype``; for ``vllm`` the
-    compressed-tensors ``quantization_config``."""
-    cfg = {
-        k: v
-        for k, v in dict(config).items()
-        if k not in ("quantization_config", "_attn_implementation_internal")
-    }
-    cfg["torch_dtype"] = dtype_name(dtype)
-    cfg["dtype"] = dtype_name(dtype)
-    if target == "vllm":
-        cfg["quantization_config"] = compressed_tensors_config(kv_strategy)
-    return cfg
+    """``config.json`` for ``target`` (:func:`~.model_files.artifact_config`): the
+    source's config.json (``source``) kept, or the model's config (``config``, a
+    GGUF source) with transformers 4's RoPE keys, without ``quantization_config``
+    (vLLM's ``get_quant_config`` would take it as the whole description;
+    msModelSlim's saver removes it), ``torch_dtype`` (MindIE reads it) set to
+    ``dtype``; for ``vllm`` the compressed-tensors ``quantization_config``."""
+    from .model_files import artifact_config
+
+    return artifact_config(
+        config, target, dtype, source=source, kv_strategy=kv_strategy
+    )

@@ -40,6 +40,7 @@ from .format import (
     dtype_name,
     fa_tensor_name,
     is_meta_key,
+    is_msmodelslim_type,
     per_head_vector,
     vllm_kv_name,
 )
@@ -130,6 +131,7 @@ __all__ = [
     "LEGACY_WEIGHTS_NAME",
     "META_KEYS",
     "description_problem",
+    "is_msmodelslim_type",
     "REPORT_FILE",
     "TOKENIZER_FILES",
     "WEIGHTS_INDEX_NAME",

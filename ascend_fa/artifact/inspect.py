@@ -51,6 +51,7 @@ from .format import (
     VLLM_KV_TENSOR,
     description_problem,
     is_meta_key,
+    is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
 
@@ -276,6 +277,10 @@ def inspect_artifact(
         findings.append("weights: no safetensors file")
 
     tensor_entries = {k for k, v in desc.items() if not is_meta_key(k, v)}
+    for name in sorted(n for n in tensor_entries if not is_msmodelslim_type(desc[n])):
+        findings.append(
+            f"{name}: type {desc[name]!r} is none msModelSlim's saver writes"
+        )
     for name in sorted(tensor_entries - set(where)):
         findings.append(f"{name}: in the description but no such tensor")
     for name in sorted(set(where) - tensor_entries) if desc else []:

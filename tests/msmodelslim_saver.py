@@ -15,7 +15,7 @@ decoder linears are msModelSlim's own IR modules (``W8A8StaticFakeQuantLinear`` 
 (activation range [-4, 4]) instead of measured.
 
 The package installs without its dependencies' heavy parts (``pip install
---no-deps msmodelslim==26.1.0`` plus ``easydict einops pygtrie wcmatch``, which
+--no-deps msmodelslim==26.1.0`` plus ``easydict einops pygtrie wcmatch scipy``, which
 ``ci/setup.sh dev`` installs); :func:`saver_available` says why not when it cannot
 be imported.
 """

@@ -52,6 +52,7 @@ from .model_files import (
     copy_model_files,
     read_source_config,
     rope_findings,
+    target_config,
     with_transformers4_rope,
 )
 from .output import atomic_output_dir, check_output_dir, is_own_artifact
@@ -62,7 +63,6 @@ from .targets import (
     is_research_dtype,
     resolve_dtype,
     resolve_target,
-    target_config,
     target_description,
     target_warning,
 )

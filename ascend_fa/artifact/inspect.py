@@ -196,6 +196,18 @@ def _check_fa(
     return row
 
 
+def _description_findings(desc: dict[str, Any]) -> list[str]:
+    """The description's values of the wrong JSON kind, and tensor types
+    msModelSlim's saver never writes."""
+    problem = description_problem(desc)
+    out = [] if problem is None else [f"{DESCRIPTION_FILE}: {problem}"]
+    for name in sorted(desc):
+        value = desc[name]
+        if not is_meta_key(name, value) and not is_msmodelslim_type(value):
+            out.append(f"{name}: type {value!r} is none msModelSlim's saver writes")
+    return out
+
+
 def _read_json(path: Path, findings: list[str]) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -243,9 +255,7 @@ def inspect_artifact(
         loaded = _read_json(desc_path, findings)
         if isinstance(loaded, dict):
             desc, has_desc = loaded, True
-            problem = description_problem(desc)
-            if problem is not None:
-                findings.append(f"{DESCRIPTION_FILE}: {problem}")
+            findings.extend(_description_findings(desc))
         elif loaded is not None:
             findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
     config: dict[str, Any] | None = None
@@ -277,10 +287,6 @@ def inspect_artifact(
         findings.append("weights: no safetensors file")
 
     tensor_entries = {k for k, v in desc.items() if not is_meta_key(k, v)}
-    for name in sorted(n for n in tensor_entries if not is_msmodelslim_type(desc[n])):
-        findings.append(
-            f"{name}: type {desc[name]!r} is none msModelSlim's saver writes"
-        )
     for name in sorted(tensor_entries - set(where)):
         findings.append(f"{name}: in the description but no such tensor")
     for name in sorted(set(where) - tensor_entries) if desc else []:

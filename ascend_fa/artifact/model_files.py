@@ -54,12 +54,14 @@ from .format import (
     TOKENIZER_FILES,
     dtype_name,
 )
+from .targets import compressed_tensors_config
 
 __all__ = [
     "COPIED_SUFFIXES",
     "MAX_COPIED_FILE_BYTES",
     "read_source_config",
     "artifact_config",
+    "target_config",
     "merged_config",
     "with_transformers4_rope",
     "rope_findings",
@@ -149,8 +151,6 @@ def artifact_config(
     """The artifact's ``config.json`` (see the module doc): ``source`` (the
     source's config.json) kept, or for a GGUF source ``model_config`` (the loaded
     config's ``to_dict()``) with the transformers-4 RoPE keys."""
-    from .targets import compressed_tensors_config
-
     if source is None:
         cfg = with_transformers4_rope(model_config)
         for key in ("_name_or_path", "_attn_implementation_internal"):
@@ -169,6 +169,25 @@ def artifact_config(
     if target == "vllm":
         cfg["quantization_config"] = compressed_tensors_config(kv_strategy)
     return cfg
+
+
+def target_config(
+    config: Mapping[str, Any],
+    target: str | None,
+    dtype: torch.dtype,
+    *,
+    kv_strategy: str = "tensor",
+    source: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``config.json`` for ``target``: :func:`artifact_config` (the source's
+    config.json ``source`` kept, or the model's ``config`` for a GGUF source),
+    without ``quantization_config`` (vLLM's ``get_quant_config`` would take it as
+    the whole description; msModelSlim's saver removes it), ``torch_dtype``
+    (MindIE reads it) set to ``dtype``; for ``vllm`` the compressed-tensors
+    ``quantization_config``."""
+    return artifact_config(
+        config, target, dtype, source=source, kv_strategy=kv_strategy
+    )
 
 
 def merged_config(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -87,7 +87,6 @@ __all__ = [
     "c8_tensors",
     "vllm_kv_tensors",
     "target_description",
-    "target_config",
     "compressed_tensors_config",
 ]
 
@@ -341,24 +340,3 @@ def compressed_tensors_config(strategy: str) -> dict[str, Any]:
             "dynamic": False,
         },
     }
-
-
-def target_config(
-    config: Mapping[str, Any],
-    target: str | None,
-    dtype: torch.dtype,
-    *,
-    kv_strategy: str = "tensor",
-    source: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``config.json`` for ``target`` (:func:`~.model_files.artifact_config`): the
-    source's config.json (``source``) kept, or the model's config (``config``, a
-    GGUF source) with transformers 4's RoPE keys, without ``quantization_config``
-    (vLLM's ``get_quant_config`` would take it as the whole description;
-    msModelSlim's saver removes it), ``torch_dtype`` (MindIE reads it) set to
-    ``dtype``; for ``vllm`` the compressed-tensors ``quantization_config``."""
-    from .model_files import artifact_config
-
-    return artifact_config(
-        config, target, dtype, source=source, kv_strategy=kv_strategy
-    )

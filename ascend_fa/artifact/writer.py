@@ -59,14 +59,18 @@ from .format import (
     fa_tensor_name,
 )
 from .lazy import LazyTensors, write_safetensors
-from .model_files import copy_model_files, merged_config, read_source_config
+from .model_files import (
+    copy_model_files,
+    merged_config,
+    read_source_config,
+    target_config,
+)
 from .output import atomic_output_dir
 from .reader import read_tensor_index
 from .targets import (
     KVScaleMap,
     c8_tensors,
     check_target,
-    target_config,
     target_description,
     vllm_kv_tensors,
 )

@@ -205,9 +205,7 @@ def merged_config(config: Mapping[str, Any]) -> dict[str, Any]:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return float(a) == float(b)
-    return a == b
+    return a == b  # exact between int and float: 1000000 == 1000000.0
 
 
 def rope_findings(config: Mapping[str, Any]) -> list[str]:

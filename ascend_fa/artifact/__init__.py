@@ -35,16 +35,26 @@ from .format import (
     WEIGHTS_NAME,
     ScaleMap,
     c8_tensor_name,
+    description_problem,
     disk_scale,
     dtype_name,
     fa_tensor_name,
     is_meta_key,
+    is_msmodelslim_type,
     per_head_vector,
     vllm_kv_name,
 )
 from .inspect import inspect_artifact, natural_key, scale_findings
 from .lazy import LazyTensors, TensorSpec, write_safetensors
 from .merge import check_merge_export
+from .model_files import (
+    artifact_config,
+    copy_model_files,
+    read_source_config,
+    rope_findings,
+    target_config,
+    with_transformers4_rope,
+)
 from .output import atomic_output_dir, check_output_dir, is_own_artifact
 from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
 from .releases import DEFAULT_RELEASE, RELEASES, check_release, resolve_release
@@ -54,7 +64,6 @@ from .targets import (
     is_research_dtype,
     resolve_dtype,
     resolve_target,
-    target_config,
     target_description,
     target_warning,
 )
@@ -104,6 +113,11 @@ __all__ = [
     "resolve_target",
     "scale_findings",
     "target_config",
+    "artifact_config",
+    "copy_model_files",
+    "read_source_config",
+    "rope_findings",
+    "with_transformers4_rope",
     "target_description",
     "target_findings",
     "vllm_kv_name",
@@ -117,6 +131,8 @@ __all__ = [
     "FA_WEIGHTS_NAME",
     "LEGACY_WEIGHTS_NAME",
     "META_KEYS",
+    "description_problem",
+    "is_msmodelslim_type",
     "REPORT_FILE",
     "TOKENIZER_FILES",
     "WEIGHTS_INDEX_NAME",

@@ -14,7 +14,10 @@ consumer        rules checked here
 ==============  ==========================================================
 all targets     ``config.json`` present with ``torch_dtype`` float16 /
                 bfloat16 (MindIE ``model_runner.py``; vLLM loads the dtype
-                from it); every attention layer quantized
+                from it); a transformers-4 reader takes the RoPE that
+                ``rope_parameters`` states (top-level ``rope_theta`` /
+                ``rope_scaling``: :func:`~.model_files.rope_findings`); every
+                attention layer quantized
 mindie          description present; ``model_quant_type.lower()`` in
                 MindIE's ``QUANTIZE_DESC_REQUIRED_LIST`` (never ``float``);
                 ``fa_quant_type`` FAQuant / FAKQuant (``config.py``
@@ -53,6 +56,7 @@ from .format import (
     VLLM_KV_TENSOR,
     is_meta_key,
 )
+from .model_files import rope_findings
 
 __all__ = [
     "ArtifactView",
@@ -125,6 +129,7 @@ def _common(target: str, v: ArtifactView, out: list[str]) -> None:
     if cfg is None:
         out.append(f"config.json: missing (every {target} loader reads it)")
         return
+    out.extend(rope_findings(cfg))
     dt = cfg.get("torch_dtype")
     if dt is None:
         out.append(

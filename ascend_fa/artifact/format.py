@@ -65,6 +65,10 @@ __all__ = [
     "CONFIG_FILE",
     "TOKENIZER_FILES",
     "META_KEYS",
+    "DESCRIPTION_OBJECT_KEYS",
+    "MSMODELSLIM_TENSOR_TYPES",
+    "description_problem",
+    "is_msmodelslim_type",
     "FA_TENSOR",
     "ScaleMap",
     "fa_tensor_name",
@@ -119,10 +123,47 @@ META_KEYS = frozenset(
         "reduce_quant_type",
         "group_size",
         "metadata",
+        "optional",
         "model_type",
         "quant_method",
     }
 )
+#: The JSON kind of the top-level description keys whose value is not a string:
+#: msModelSlim's saver always writes ``"metadata": {...}``, ``"group_size": 0`` and
+#: ``"optional": {...}`` (msmodelslim 26.1.0
+#: core/quant_service/modelslim_v1/save/ascendv1.py ``AscendV1Saver.post_run``).
+#: Every other key (the other :data:`META_KEYS`, ``<attn>.quant_type``, tensor
+#: names) maps to a string.
+DESCRIPTION_OBJECT_KEYS = {
+    "metadata": "object",
+    "optional": "object",
+    "group_size": "integer",
+}
+#: Tensor types msModelSlim's saver writes (msmodelslim 26.1.0 save/ascendv1.py,
+#: the ``write_tensor`` calls of ``AscendV1Saver``), plus the FlatQuant and SVD
+#: variants its wrappers derive from them (``on_flat_clip_wrapper``:
+#: ``X_DYNAMIC`` -> ``X_FLATQUANT_DYNAMIC``, else ``X_FLATQUANT``;
+#: ``on_svd_wrapper``: ``_SVD_DYNAMIC`` / ``_SVD``).
+MSMODELSLIM_TENSOR_TYPES = frozenset(
+    {
+        "FLOAT",
+        "W8A8",
+        "W8A8_DYNAMIC",
+        "W8A8_MIX",
+        "W8A16",
+        "W16A16S",
+        "WFP8AFP8_DYNAMIC",
+        "W8A8_MXFP8",
+        "W4A8_MXFP",
+        "W4A8_DYNAMIC",
+        "W4A4_DYNAMIC",
+        "W4A4_MXFP4",
+        "W4A4_MXFP4_DUALSCALE",
+        "C8",
+        "FAQuant",
+    }
+)
+_DERIVED_TYPE = re.compile(r"^(?P<base>\w+?)_(?:FLATQUANT|SVD)(?P<dyn>_DYNAMIC)?$")
 
 #: Consumers an artifact can be written for (``calibrate --target``).
 TARGETS = ("mindie", "vllm-ascend", "vllm")
@@ -200,6 +241,43 @@ def fa_tensor_name(attn: str, branch: str, kind: str) -> str:
 def is_meta_key(key: str, value: Any) -> bool:
     """Whether a description entry is metadata rather than a tensor's type."""
     return key in META_KEYS or key.endswith(".quant_type") or not isinstance(value, str)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    names = {dict: "object", list: "list", str: "string"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def description_problem(desc: Any) -> str | None:
+    """Why ``desc`` is not a valid ``quant_model_description.json`` (None when it
+    is): a JSON object whose keys of :data:`DESCRIPTION_OBJECT_KEYS` have that JSON
+    kind (``group_size`` a non-negative integer) and every other value is a string.
+    """
+    if not isinstance(desc, dict):
+        return f"must be a JSON object, got a JSON {_json_kind(desc)}"
+    for key, value in desc.items():
+        want = DESCRIPTION_OBJECT_KEYS.get(key, "string")
+        have = _json_kind(value)
+        if have != want:
+            return f"{key!r} maps to a JSON {have}, expected a JSON {want}"
+        if key == "group_size" and value < 0:
+            return f"'group_size' is {value}, expected >= 0"
+    return None
+
+
+def is_msmodelslim_type(value: str) -> bool:
+    """Whether ``value`` is a tensor type msModelSlim's saver writes
+    (:data:`MSMODELSLIM_TENSOR_TYPES` or a FlatQuant / SVD variant of one)."""
+    if value in MSMODELSLIM_TENSOR_TYPES:
+        return True
+    m = _DERIVED_TYPE.match(value)
+    return bool(m) and (m["base"] + (m["dyn"] or "")) in MSMODELSLIM_TENSOR_TYPES
 
 
 def per_head_vector(t: Any, name: str, heads: int | None = None) -> torch.Tensor:

@@ -51,7 +51,9 @@ from .format import (
     FA_TENSOR,
     TARGETS,
     VLLM_KV_TENSOR,
+    description_problem,
     is_meta_key,
+    is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
 from .releases import architecture, release_findings, release_scheme, resolve_release
@@ -197,6 +199,18 @@ def _check_fa(
     return row
 
 
+def _description_findings(desc: dict[str, Any]) -> list[str]:
+    """The description's values of the wrong JSON kind, and tensor types
+    msModelSlim's saver never writes."""
+    problem = description_problem(desc)
+    out = [] if problem is None else [f"{DESCRIPTION_FILE}: {problem}"]
+    for name in sorted(desc):
+        value = desc[name]
+        if not is_meta_key(name, value) and not is_msmodelslim_type(value):
+            out.append(f"{name}: type {value!r} is none msModelSlim's saver writes")
+    return out
+
+
 def _read_json(path: Path, findings: list[str]) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -289,6 +303,7 @@ def inspect_artifact(
         loaded = _read_json(desc_path, findings)
         if isinstance(loaded, dict):
             desc, has_desc = loaded, True
+            findings.extend(_description_findings(desc))
         elif loaded is not None:
             findings.append(f"{DESCRIPTION_FILE}: not a JSON object")
     config: dict[str, Any] | None = None

@@ -17,7 +17,12 @@ from safetensors import safe_open
 
 from ascend_fa.errors import InputError, NotFoundError
 
-from .format import DESCRIPTION_FILE, LINEAR_QUANT_TYPES
+from .format import (
+    DESCRIPTION_FILE,
+    LINEAR_QUANT_TYPES,
+    is_meta_key,
+    is_msmodelslim_type,
+)
 from .reader import check_merge_target, read_description
 
 __all__ = ["check_merge_export", "export_layer_count"]
@@ -60,6 +65,17 @@ def check_merge_export(
         raise InputError(
             f"{flag}: model_quant_type {mqt!r} in {DESCRIPTION_FILE}; a W8A8 export "
             f"has one of {', '.join(LINEAR_QUANT_TYPES)}"
+        )
+    unknown = sorted(
+        (k, v)
+        for k, v in desc.items()
+        if not is_meta_key(k, v) and not is_msmodelslim_type(v)
+    )
+    if unknown:
+        key, value = unknown[0]
+        raise InputError(
+            f"{flag}: {key!r} has type {value!r} in {DESCRIPTION_FILE}, which "
+            "msModelSlim's saver never writes (W8A8, W8A8_DYNAMIC, FLOAT, C8 ...)"
         )
     # Readable export, safe names, valid headers, no FA tensors yet (reader rules).
     where = check_merge_target(directory)

@@ -37,9 +37,9 @@ from .format import (
     FA_TENSOR,
     FA_WEIGHTS_NAME,
     LEGACY_WEIGHTS_NAME,
-    META_KEYS,
     VLLM_KV_TENSOR,
     ScaleMap,
+    description_problem,
     per_head_vector,
 )
 
@@ -196,12 +196,16 @@ def read_fa_scales(directory: str | Path) -> ScaleMap:
 
 def read_description(directory: str | Path) -> dict[str, Any]:
     """The ``quant_model_description.json`` of ``directory``: a JSON object whose
-    tensor entries (every key but :data:`~.format.META_KEYS`) are strings."""
+    values are strings, but for the objects and numbers msModelSlim's saver writes
+    at the top level (``metadata``, ``optional``, ``group_size``:
+    :func:`~.format.description_problem`)."""
     path = Path(directory) / DESCRIPTION_FILE
     if not path.is_file():
         raise NotFoundError(f"no {DESCRIPTION_FILE}", path=directory)
     desc = read_json_object(path, what="description")
-    check_string_map(desc, path=path, what="description", skip=META_KEYS)
+    problem = description_problem(desc)
+    if problem is not None:
+        raise FileFormatError(f"description: {problem}", path=path)
     return desc
 
 

@@ -89,7 +89,6 @@ __all__ = [
     "c8_tensors",
     "vllm_kv_tensors",
     "target_description",
-    "target_config",
     "compressed_tensors_config",
 ]
 
@@ -343,27 +342,3 @@ def compressed_tensors_config(strategy: str) -> dict[str, Any]:
             "dynamic": False,
         },
     }
-
-
-def target_config(
-    config: Mapping[str, Any],
-    target: str | None,
-    dtype: torch.dtype,
-    *,
-    kv_strategy: str = "tensor",
-) -> dict[str, Any]:
-    """``config.json`` for ``target``: the model's config without
-    ``quantization_config`` (vLLM's ``get_quant_config`` would take it as the whole
-    description; msModelSlim's saver removes it), ``torch_dtype`` (MindIE reads it;
-    ``dtype`` too for newer transformers) set to ``dtype``; for ``vllm`` the
-    compressed-tensors ``quantization_config``."""
-    cfg = {
-        k: v
-        for k, v in dict(config).items()
-        if k not in ("quantization_config", "_attn_implementation_internal")
-    }
-    cfg["torch_dtype"] = dtype_name(dtype)
-    cfg["dtype"] = dtype_name(dtype)
-    if target == "vllm":
-        cfg["quantization_config"] = compressed_tensors_config(kv_strategy)
-    return cfg

@@ -12,9 +12,11 @@ msModelSlim's saver does (it walks every module's parameters); for ``vllm`` and
 research artifacts it is left out, exactly as ``save_pretrained`` does. Any other
 tensor sharing storage is written as its own copy (safetensors refuses aliases).
 
-``config.json`` never carries ``quantization_config`` for the Ascend targets (nor
-for research artifacts) and always carries ``torch_dtype``; ``vllm`` artifacts
-carry the compressed-tensors ``quantization_config`` instead of a description.
+``config.json`` is the source's, kept key for key (:mod:`.model_files`); it never
+carries ``quantization_config`` for the Ascend targets (nor for research
+artifacts) and always carries ``torch_dtype``; ``vllm`` artifacts carry the
+compressed-tensors ``quantization_config`` instead of a description. The source's
+other model files are copied as msModelSlim copies them.
 
 Every write is atomic: files go to a temporary directory beside the output, which
 is renamed over it at the end; on any error the temporary directory is removed and
@@ -40,6 +42,7 @@ from ascend_fa.errors import (
 )
 
 from .format import (
+    CONFIG_FILE,
     DESCRIPTION_FILE,
     DESCRIPTION_VERSION,
     FA_BRANCHES,
@@ -56,13 +59,18 @@ from .format import (
     fa_tensor_name,
 )
 from .lazy import LazyTensors, write_safetensors
+from .model_files import (
+    copy_model_files,
+    merged_config,
+    read_source_config,
+    target_config,
+)
 from .output import atomic_output_dir
 from .reader import read_tensor_index
 from .targets import (
     KVScaleMap,
     c8_tensors,
     check_target,
-    target_config,
     target_description,
     vllm_kv_tensors,
 )
@@ -345,17 +353,6 @@ def _write_shards(
     return files
 
 
-def _copy_tokenizer_files(source_dir: Path | None, dest: Path) -> list[str]:
-    copied = []
-    if source_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = source_dir / name
-            if src.is_file():
-                shutil.copy2(src, dest / name)
-                copied.append(name)
-    return copied
-
-
 def _model_geometry(config: Mapping[str, Any] | None) -> tuple[int, int, int]:
     """``(H, Hkv, D)`` from a model config dict (GQA layout)."""
     if config is None:
@@ -399,11 +396,16 @@ def export_artifact(
     * ``"vllm"`` — ``kv_scales`` as ``<attn>.{k,v}_scale`` (``kv_strategy``), no
       description, compressed-tensors ``quantization_config``.
 
-    ``config`` is the model's ``config.json`` as a dict (rewritten by
-    :func:`~.targets.target_config`; ``dtype`` is its ``torch_dtype``, default:
-    the dtype of the floating weights). ``metadata`` goes into the description's
-    ``metadata`` (e.g. the folded transforms). Tokenizer files are copied from
-    ``source_dir`` when it has them, otherwise saved from ``tokenizer``.
+    ``config.json`` (:func:`~.model_files.artifact_config`): ``source_dir``'s
+    config.json kept when it has one, else ``config`` (the loaded model's config
+    as a dict, a GGUF source) with transformers 4's RoPE keys; ``dtype`` is its
+    ``torch_dtype`` (default: the dtype of the floating weights). ``config`` also
+    sizes the KV-cache scales. ``metadata`` goes into the description's
+    ``metadata`` (e.g. the folded transforms). The source's other model files
+    (tokenizer, generation config, chat template ...) are copied from
+    ``source_dir`` as msModelSlim copies them
+    (:func:`~.model_files.copy_model_files`); without tokenizer files among them
+    the tokenizer is saved from ``tokenizer``.
     """
     types = dict(tensor_types) if tensor_types is not None else {}
     types = {name: types.get(name, "FLOAT") for name in state_dict}
@@ -449,6 +451,7 @@ def export_artifact(
         else {**state_dict, **extra}
     )
     shard_bytes = parse_size(max_shard_size)
+    source = read_source_config(source_dir)
     with atomic_output_dir(output, overwrite=overwrite, force=force) as tmp:
         _write_shards(tmp, tensors, shard_bytes)
         if target != "vllm":
@@ -464,12 +467,14 @@ def export_artifact(
                     metadata=metadata,
                 ),
             )
-        if config is not None:
-            cfg = target_config(config, target, dtype, kv_strategy=kv_strategy)
-            write_json(tmp / "config.json", cfg)
-        copied = _copy_tokenizer_files(Path(source_dir) if source_dir else None, tmp)
-        if not copied and tokenizer is not None:
+        copied = copy_model_files(source_dir, tmp)
+        if not set(copied) & set(TOKENIZER_FILES) and tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+        if config is not None or source is not None:
+            cfg = target_config(
+                config or {}, target, dtype, kv_strategy=kv_strategy, source=source
+            )
+            write_json(tmp / CONFIG_FILE, cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
         write_extra_files(tmp, extra_files)
@@ -603,9 +608,8 @@ def merge_into(
         if (tmp / "config.json").is_file():
             # The export's own quantization_config would hide the description from
             # vLLM-based loaders (get_quant_config); msModelSlim removes it too.
-            cfg = _load_json(tmp / "config.json")
-            cfg.pop("quantization_config", None)
-            write_json(tmp / "config.json", cfg)
+            cfg = merged_config(_load_json(tmp / CONFIG_FILE))
+            write_json(tmp / CONFIG_FILE, cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)
         write_extra_files(tmp, extra_files)

@@ -1,0 +1,122 @@
+"""A genuine msModelSlim W8A8 export, written by msModelSlim's own saver.
+
+msmodelslim 26.1.0 (PyPI) ``core/quant_service/modelslim_v1/save/ascendv1.py``:
+``AscendV1Saver.post_run`` walks the model, writes each quantized linear through
+``on_w8a8_static`` / ``on_w8a8_dynamic_per_channel`` and every other parameter as
+``FLOAT``, then the description (``JsonWriter``: the tensor entries plus
+``version``, ``model_quant_type``, ``metadata``, ``group_size`` and ``optional``),
+the weights (``BufferedSafetensorsWriter``), copies the source's ``.json`` /
+``.py`` / ``.txt`` / ``.jinja`` files (``copy_files``) and removes
+``quantization_config`` from the copied config.json
+(``remove_quantization_config``). Here that saver runs on CPU on a tiny model whose
+decoder linears are msModelSlim's own IR modules (``W8A8StaticFakeQuantLinear`` /
+``W8A8DynamicPerChannelFakeQuantLinear``), quantized with msModelSlim's own
+``calculate_qparam`` / ``quantize``; only the calibration statistics are fixed
+(activation range [-4, 4]) instead of measured.
+
+The package installs without its dependencies' heavy parts (``pip install
+--no-deps msmodelslim==26.1.0`` plus ``easydict einops pygtrie wcmatch scipy``, which
+``ci/setup.sh dev`` installs); :func:`saver_available` says why not when it cannot
+be imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MSMODELSLIM_VERSION", "saver_available", "genuine_export"]
+
+MSMODELSLIM_VERSION = "26.1.0"
+_SAVE = "msmodelslim.core.quant_service.modelslim_v1.save"
+
+
+def saver_available() -> str | None:
+    """None when msModelSlim's saver imports, else the reason it does not."""
+    try:
+        from importlib.metadata import version
+
+        have = version("msmodelslim")
+        if have != MSMODELSLIM_VERSION:
+            return (
+                f"msmodelslim {have} installed, the fixtures need {MSMODELSLIM_VERSION}"
+            )
+        __import__(f"{_SAVE}.ascendv1")
+    except Exception as exc:  # noqa: BLE001 - any import failure is a skip reason
+        return f"msmodelslim {MSMODELSLIM_VERSION} saver unavailable: {exc!r}"
+    return None
+
+
+def _quantized_linear(linear: torch.nn.Linear, dynamic: bool) -> torch.nn.Module:
+    from msmodelslim import ir as qir
+    from msmodelslim.ir.api import calculate_qparam, quantize
+    from msmodelslim.ir.qal import QDType, QScope, QStorage
+
+    w = linear.weight.detach().float()
+    w_param = calculate_qparam(
+        w.amin(dim=1, keepdim=True),
+        w.amax(dim=1, keepdim=True),
+        QDType.INT8,
+        QScope.PER_CHANNEL,
+        True,
+    )
+    w_q = quantize(QStorage(QDType.FLOAT, w), w_param)
+    bias = None if linear.bias is None else linear.bias.detach().float()
+    if dynamic:
+        x_param = calculate_qparam(
+            torch.tensor(-4.0), torch.tensor(4.0), QDType.INT8, QScope.PER_TOKEN, True
+        )
+        return qir.W8A8DynamicPerChannelFakeQuantLinear(x_param, w_param, w_q, bias)
+    x_param = calculate_qparam(
+        torch.tensor(-4.0), torch.tensor(3.5), QDType.INT8, QScope.PER_TENSOR, False
+    )
+    return qir.W8A8StaticFakeQuantLinear(x_param, w_param, w_q, bias)
+
+
+def genuine_export(
+    path: Path, model_dir: Path, *, quant_type: str = "W8A8", part_file_size: int = 4
+) -> dict[str, Any]:
+    """Run msModelSlim's ``AscendV1Saver`` on the checkpoint in ``model_dir`` with
+    every decoder-layer linear quantized (``quant_type`` ``W8A8`` static or
+    ``W8A8_DYNAMIC``) and write its export to ``path``; returns the description it
+    wrote. ``part_file_size`` (GB) is the saver's shard size (0: one file)."""
+    import json
+
+    import transformers
+    from msmodelslim.core.quant_service.modelslim_v1.save.ascendv1 import (
+        AscendV1Config,
+        AscendV1Saver,
+    )
+    from msmodelslim.core.quant_service.modelslim_v1.save.interface import (
+        AscendV1GlobalModelDtypeInterface,
+    )
+    from msmodelslim.model import IModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16
+    ).eval()
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            model.set_submodule(
+                name, _quantized_linear(module, quant_type == "W8A8_DYNAMIC")
+            )
+
+    class Adapter(IModel, AscendV1GlobalModelDtypeInterface):
+        model_type = str(model.config.model_type)
+        model_path = Path(model_dir)
+        trust_remote_code = False
+
+        def get_global_model_torch_dtype(self) -> torch.dtype:
+            return torch.bfloat16
+
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o750)  # msModelSlim refuses group/other-writable outputs
+    config = AscendV1Config(save_directory=str(path), part_file_size=part_file_size)
+    saver = AscendV1Saver(model, config, Adapter())
+    saver.pre_run()
+    with torch.no_grad():
+        saver.post_run()
+    return json.loads((path / "quant_model_description.json").read_text())

@@ -42,6 +42,11 @@ def setup(tmp_path_factory):
     return data, src, exports
 
 
+#: The source is a Llama: vllm-ascend loads its C8 from 0.25.1rc1 on
+#: (ascend_fa.artifact.releases; 0.23.0.post1, the default, maps Qwen3 C8 only).
+RELEASE = {"vllm-ascend": ["--consumer-version", "0.25.1rc1"]}
+
+
 def _merge(src, export, out, data, target):
     return main(
         [
@@ -63,6 +68,7 @@ def _merge(src, export, out, data, target):
             "--output",
             str(out),
             "-q",
+            *RELEASE.get(target, []),
         ]
     )
 
@@ -93,7 +99,9 @@ def test_merge_into_genuine_export(setup, tmp_path, quant, target):
     before = {p.name: p.read_bytes() for p in export.iterdir()}
     out = tmp_path / "merged"
     assert _merge(src, export, out, data, target) == 0
-    assert main(["inspect", str(out), "--target", target]) == 0
+    assert (
+        main(["inspect", str(out), "--target", target, *RELEASE.get(target, [])]) == 0
+    )
     merged = json.loads((out / DESCRIPTION_FILE).read_text())
     for key, value in desc.items():
         if key != "metadata":

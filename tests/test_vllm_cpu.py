@@ -187,6 +187,22 @@ def _hf_logprobs(src: Path, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def _emulated_logprobs(src: Path, art: Path, ids: list[int], rounding: str):
+    """Our emulation of ``art`` on vLLM's FP8 cache (``rounding``), teacher-forced
+    on ``ids``: log-softmax ``[S, V]``."""
+    import transformers
+
+    from ascend_fa.emulation import enable_paged_int8_attention
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src, dtype=torch.bfloat16
+    ).float()
+    kw = dict(mode="fp8_kv", scales=art, block_size=32, fp8_rounding=rounding)
+    with torch.no_grad(), enable_paged_int8_attention(model, **kw) as rt:
+        logits = rt.forward(torch.tensor([ids]), new_sequence=True)[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
 def _max_diff(a: list, b) -> float:
     """Max |logprob| difference over prompt positions 1.. and the tokens in both
     top-K sets (``b`` a vLLM list of dicts or a ``[S, V]`` tensor)."""
@@ -215,7 +231,7 @@ def test_bf16_engine_matches_transformers(engine, artifacts):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_fp8_cache_generates_close_to_bf16(engine, strategy):
+def test_fp8_cache_generates_close_to_bf16(engine, artifacts, strategy):
     run, cpu = engine[strategy], engine["cpu"]
     if "refused" in run:
         assert not (cpu["avx512"] or cpu["amx"]), run["refused"]
@@ -224,11 +240,20 @@ def test_fp8_cache_generates_close_to_bf16(engine, strategy):
             f"vLLM 0.32 CPU has no FP8 KV cache on this CPU ({cpu['capability']}): "
             f"{run['refused']}"
         )
-    for out, ref in zip(run["outputs"], engine["bf16"]["outputs"], strict=True):
+    outs = zip(_prompts(), run["outputs"], engine["bf16"]["outputs"], strict=True)
+    for ids, out, ref in outs:
         assert len(out["tokens"]) == MAX_TOKENS
         diff = _max_diff(out["prompt_logprobs"], ref["prompt_logprobs"])
         print(f"{strategy}: FP8 vs bf16 cache, max |dlogprob| {diff:.4f}")
         assert diff <= FP8_LOGPROB_BOUND
+        # how close each rounding of our emulation comes to the engine (reported)
+        for rounding in ("nearest", "trunc"):
+            emu = _emulated_logprobs(artifacts["src"], artifacts[strategy], ids,
+                                     rounding)  # fmt: skip
+            print(
+                f"{strategy}: emulation ({rounding}) vs vLLM FP8, max |dlogprob| "
+                f"{_max_diff(out['prompt_logprobs'], emu):.4f}"
+            )
 
 
 @pytest.fixture(scope="module")

@@ -606,12 +606,15 @@ def run_eval(
     timings: dict[str, float] = {}
     models: dict[str, Any] = {}
     if artifact_scales is not None:
-        specs[f"artifact {Path(artifact).name}"] = artifact_scales
+        label = f"artifact {Path(artifact).name}"
+        if fp8_rounding != "nearest":
+            label += f" (FP8 {fp8_rounding})"
+        specs[label] = artifact_scales
         quantized = artifact_model(net, artifact)
         if quantized is not None:
             # The artifact's quantized linears (and its smoothed float weights) run
             # through the integer path; the float reference stays the source model.
-            models[f"artifact {Path(artifact).name}"] = quantized
+            models[label] = quantized
     if compare_methods:
         calib = calibration_split(load_calib_texts(calib_data), num_samples)
         head_dim = int(

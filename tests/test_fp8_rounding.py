@@ -192,3 +192,39 @@ def test_cli_bad_rounding_is_one_line_exit_2(verb, tmp_path, capsys):
         assert rc == 2
         assert err.count("\n") == 1 and err.startswith(f"ascend-fa {verb}: error: ")
         assert message in err
+
+
+def test_eval_runs_the_artifact_with_either_rounding(tmp_path):
+    """``eval --fp8-rounding trunc`` on a vLLM FP8 artifact: its row is labelled,
+    and its fake-quant differs from the default (nearest) run's."""
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from builders import save_tiny
+
+    src = save_tiny(tmp_path / "src", "llama")
+    art = tmp_path / "fp8"
+    art.mkdir()
+    scales = {
+        f"model.layers.{i}.self_attn.{side}_scale": torch.tensor([0.004, 0.002])
+        for i in range(2)
+        for side in "kv"
+    }
+    save_file(scales, str(art / "quant_model_weights.safetensors"))
+    (art / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    text = tmp_path / "heldout.txt"
+    text.write_text("the keeper climbed the stairs at dusk and lit the lamp. " * 6)
+    rows = {}
+    for rounding in ("nearest", "trunc"):
+        out = tmp_path / f"{rounding}.json"
+        args = ["eval", "--model", str(src), "--artifact", str(art), "--data",
+                str(text), "--window", "48", "--fp8-rounding", rounding,
+                "--json", str(out), "-q"]  # fmt: skip
+        assert main(args) == 0
+        rows[rounding] = json.loads(out.read_text())
+    near = rows["nearest"]["results"]["heldout"]["artifact fp8"]
+    trunc = rows["trunc"]["results"]["heldout"]["artifact fp8 (FP8 trunc)"]
+    assert near["perplexity_delta_pct"] != trunc["perplexity_delta_pct"]

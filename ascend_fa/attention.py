@@ -103,6 +103,7 @@ def reshape_and_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     layout: str = "nz",
+    fp8_rounding: str = "nearest",
     backend: str | Backend | None = None,
 ) -> None:
     """Write ``key``, ``value`` ``[T, Hkv, D]`` into the paged caches, in place.
@@ -111,11 +112,22 @@ def reshape_and_cache(
     ``slot // BS``, row ``slot % BS``; negative slots are skipped. With ``k_scale``,
     ``v_scale`` ``[Hkv]`` fp32 the caches are int8 and receive
     ``quantize_per_head(key, k_scale, axis=1)``; otherwise they have the key dtype.
+    float8_e4m3fn caches take ``[1]`` or ``[Hkv]`` scales and round as
+    ``fp8_rounding`` says: ``"nearest"`` (vLLM's CUDA cache write) or ``"trunc"``
+    (toward zero, vLLM's CPU cache write; :func:`~ascend_fa.atb_ops.fp8_codes`).
     Out-of-range or repeated slots and any shape/dtype mismatch raise before anything
     is written.
     """
     geo = check_reshape_and_cache(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        layout,
+        fp8_rounding,
     )
     spec = cache_write_spec(
         key_dtype=key.dtype,
@@ -129,9 +141,9 @@ def reshape_and_cache(
     resolve_backend(spec, backend)
     args = (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     if direct_cpu_write(args):
-        reshape_and_cache_cpu(*args, layout)
+        reshape_and_cache_cpu(*args, layout, fp8_rounding)
     else:
-        torch.ops.ascend_fa.reshape_and_cache(*args, layout)
+        torch.ops.ascend_fa.reshape_and_cache(*args, layout, fp8_rounding)
 
 
 def reshape_and_cache_mla(

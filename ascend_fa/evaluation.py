@@ -275,24 +275,32 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
     return scales
 
 
-def read_artifact_spec(directory: str | Path) -> Any:
+def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> Any:
     """What an artifact deploys: its FA scales (a ``ScaleMap``), or a
     :class:`~ascend_fa.calibration.kv.KVQuantSpec` for C8 / FP8 KV-cache scales
     (C8 scales rounded to the artifact's ``torch_dtype``, as the device holds
-    them)."""
+    them; FP8 codes rounded as ``fp8_rounding`` says: ``"nearest"`` for vLLM on
+    CUDA, ``"trunc"`` for vLLM on CPU). ``"trunc"`` for an artifact without FP8
+    KV scales is refused."""
     import json
 
     from ascend_fa.artifact.reader import read_fa_scales, read_kv_scales
     from ascend_fa.artifact.targets import resolve_dtype
-    from ascend_fa.calibration.kv import KVQuantSpec
+    from ascend_fa.calibration.kv import KVQuantSpec, fp8_rounding_flag
 
+    fp8_rounding_flag(fp8_rounding)
     path = Path(directory)
     if not path.is_dir():
         raise FileNotFoundError(f"artifact not found: {path}")
     scales = read_fa_scales(path)
+    kv = None if scales else read_kv_scales(path)
+    if fp8_rounding != "nearest" and (kv is None or kv[0] != "fp8"):
+        raise ValueError(
+            f"--fp8-rounding {fp8_rounding}: artifact {path} has no FP8 KV-cache "
+            "scales (a --target vllm artifact); the rounding applies to those only"
+        )
     if scales:
         return scales
-    kv = read_kv_scales(path)
     if kv is None:
         raise ValueError(
             f"artifact {path} has no FA or KV-cache scales (no <attn>.fa_{{q,k,v}}"
@@ -306,7 +314,7 @@ def read_artifact_spec(directory: str | Path) -> Any:
         name = cfg.get("torch_dtype") if isinstance(cfg, dict) else None
         if name in ("float16", "bfloat16"):
             dtype = resolve_dtype(name)
-    return KVQuantSpec(kind, kv_scales, dtype)
+    return KVQuantSpec(kind, kv_scales, dtype, fp8_rounding)
 
 
 def _point_for(spec: QuantSpec | None, name: str) -> Any:
@@ -550,10 +558,13 @@ def run_eval(
     window: int = 512,
     max_tokens: int | None = None,
     progress: bool = True,
+    fp8_rounding: str = "nearest",
 ) -> EvalReport:
     """The ``ascend-fa eval`` verb: the artifact's scales and/or every calibration
     method, float vs fake-quant on each data set (default: the packaged prose and
-    code texts). Bad artifacts and data files fail before the model loads."""
+    code texts). ``fp8_rounding`` is an FP8 artifact's cache rounding
+    (:func:`read_artifact_spec`). Bad artifacts and data files fail before the
+    model loads."""
     from ascend_fa.calibration.data import load_calib_texts
     from ascend_fa.calibration.methods import (
         calibrate_methods,
@@ -575,7 +586,9 @@ def run_eval(
     ):
         if value <= 0:
             raise InputError(f"--{flag.replace('_', '-')} must be > 0")
-    artifact_scales = read_artifact_spec(artifact) if artifact is not None else None
+    artifact_scales = (
+        read_artifact_spec(artifact, fp8_rounding) if artifact is not None else None
+    )
     sources: dict[str, str | Path | None] = (
         {Path(p).stem: Path(p) for p in data} if data else dict.fromkeys(EVAL_SETS)
     )
@@ -593,12 +606,15 @@ def run_eval(
     timings: dict[str, float] = {}
     models: dict[str, Any] = {}
     if artifact_scales is not None:
-        specs[f"artifact {Path(artifact).name}"] = artifact_scales
+        label = f"artifact {Path(artifact).name}"
+        if fp8_rounding != "nearest":
+            label += f" (FP8 {fp8_rounding})"
+        specs[label] = artifact_scales
         quantized = artifact_model(net, artifact)
         if quantized is not None:
             # The artifact's quantized linears (and its smoothed float weights) run
             # through the integer path; the float reference stays the source model.
-            models[f"artifact {Path(artifact).name}"] = quantized
+            models[label] = quantized
     if compare_methods:
         calib = calibration_split(load_calib_texts(calib_data), num_samples)
         head_dim = int(

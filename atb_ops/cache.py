@@ -22,8 +22,10 @@ None               the key dtype   the key unchanged
 ``[Hkv, D]``       int8            C8, per channel ``c = h*D + d``:
                                    ``c8_codes(key, k_scale)`` (vllm-ascend's write:
                                    reciprocal and product in the key dtype)
-``[1]``/``[Hkv]``  float8_e4m3fn   ``fp8_codes(key, k_scale)``: ``key / s`` saturated
-                                   at +-448, cast (vLLM's FP8 cache)
+``[1]``/``[Hkv]``  float8_e4m3fn   ``fp8_codes(key, k_scale, fp8_rounding)``: ``key /
+                                   s`` saturated at +-448, rounded to nearest even
+                                   (``"nearest"``, vLLM on CUDA) or toward zero
+                                   (``"trunc"``, vLLM on CPU)
 =================  ==============  ===================================================
  MLA (:func:`check_reshape_and_cache_mla`) writes the latent ``[T, R]`` as a
 one-head cache (int8 with ``k_scale`` ``[1]``) and the RoPE part ``[T, Dr]``
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -54,7 +57,7 @@ import torch
 
 from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, NZ_ROW_ALIGN, ROUND_MAGIC, c0
 from .native import MAX_ROW_BYTES, native_kernels
-from .quant import c8_codes, fp8_codes
+from .quant import c8_codes, check_fp8_rounding, fp8_codes
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -73,6 +76,7 @@ __all__ = [
     "reshape_and_cache_cpu",
     "reshape_and_cache_mla_cpu",
     "repeated_slot",
+    "fp8_trunc_ref",
     "reshape_and_cache_ref",
     "reshape_and_cache_mla_ref",
     "token_rows_ref",
@@ -355,11 +359,13 @@ def check_reshape_and_cache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     layout: str = "nz",
+    fp8_rounding: str = "nearest",
 ) -> CacheGeometry:
     """Validate a ``reshape_and_cache`` call; raise ``ValueError`` naming the first
     bad argument. Nothing is written. Returns the cache geometry."""
     fn = "reshape_and_cache"
     layout = check_layout(fn, layout)
+    check_fp8_rounding(fn, fp8_rounding)
     _check_float(fn, "key", key, 3, "[T, Hkv, D]")
     _check_float(fn, "value", value, 3, "[T, Hkv, D]")
     _check_pair(fn, ("key", "value"), key, value)
@@ -563,7 +569,10 @@ def _quantize_rows(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _encode(
-    x: torch.Tensor, scale: torch.Tensor | None, cache_dtype: torch.dtype
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    cache_dtype: torch.dtype,
+    fp8_rounding: str = "nearest",
 ) -> torch.Tensor:
     """What the cache stores for ``x`` ``[T, H, D]`` (see the module doc's table)."""
     kind = kv_scale_kind(scale, cache_dtype)
@@ -573,7 +582,7 @@ def _encode(
         return _quantize_rows(x, scale)
     shape = (1, *scale.shape, 1) if scale.dim() == 1 else (1, *scale.shape)
     if kind == "fp8":
-        return fp8_codes(x, scale.view(shape))
+        return fp8_codes(x, scale.view(shape), fp8_rounding)
     return c8_codes(x, scale.view(shape)).to(torch.int8)
 
 
@@ -745,10 +754,12 @@ def _write_all(
     writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     slot_mapping: torch.Tensor,
     layout: str,
+    fp8_rounding: str = "nearest",
 ) -> None:
     """Write each ``(cache, x [T, H, D], scale)`` of one call. The caches share NB
     and BS (validated), so the slots are analysed once: padding filtered, and one
-    plan (token- or block-granular) serves every cache."""
+    plan (token- or block-granular) serves every cache. ``fp8_rounding`` applies to
+    float8_e4m3fn caches."""
     if _write_native(writes, slot_mapping, layout):
         return
     slots, keep = _valid(slot_mapping)
@@ -759,7 +770,7 @@ def _write_all(
     for cache, x, scale in writes:
         if keep is not None:
             x = x.index_select(0, keep)
-        rows = _encode(x, scale, cache.dtype)
+        rows = _encode(x, scale, cache.dtype, fp8_rounding)
         rows = rows.reshape(x.shape[0], -1).contiguous()
         if plan is None:
             _scatter_tokens(cache, rows, slots, layout)
@@ -854,10 +865,14 @@ def _write_kv(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     layout: str,
+    fp8_rounding: str = "nearest",
 ) -> None:
     """The GQA cache write, shared by the op and the direct CPU call."""
     _write_all(
-        [(key_cache, key, k_scale), (value_cache, value, v_scale)], slot_mapping, layout
+        [(key_cache, key, k_scale), (value_cache, value, v_scale)],
+        slot_mapping,
+        layout,
+        fp8_rounding,
     )
 
 
@@ -928,11 +943,20 @@ def reshape_and_cache_cpu(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     layout: str,
+    fp8_rounding: str = "nearest",
 ) -> None:
     """``ascend_fa::reshape_and_cache``'s CPU implementation called directly, for
     arguments :func:`direct_cpu_write` accepts (validated by the caller)."""
     _write_kv(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        layout,
+        fp8_rounding,
     )
     _bump_versions(key_cache, value_cache)
 
@@ -964,15 +988,32 @@ def _reshape_and_cache_op(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     layout: str,
+    fp8_rounding: str = "nearest",
 ) -> None:
     _write_kv(
-        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        layout,
+        fp8_rounding,
     )
 
 
 @_reshape_and_cache_op.register_fake
 def _(
-    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    k_scale,
+    v_scale,
+    layout,
+    fp8_rounding="nearest",
 ) -> None:
     return None
 
@@ -1042,13 +1083,47 @@ def _fp8_ref(y: torch.Tensor) -> torch.Tensor:
     return out.view(FP8_KV_DTYPE).view(y.shape)
 
 
+def _f32(v: float) -> float:
+    """``v`` rounded to the nearest fp32 (subnormals included), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def fp8_trunc_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Golden vLLM-CPU FP8 codes of ``x`` ``[T, H, D]`` with ``scale`` ``[1]`` or
+    ``[H]``, one value at a time from the kernel's bit recipe (the module doc of
+    :mod:`.quant` cites it): ``inv = fp32(1 / s)``, ``y = fp32(x * inv)``
+    saturated at +-448; ``y == 0`` stores +0; else the fp32 bits ``b`` of
+    ``fp32(y * 2**-120)`` give the code ``sign(b) | min((b >> 20) & 0x7f, 0x7e)``.
+    Python floats and ``struct`` only (no torch rounding, no cast to float8)."""
+    t, h, d = x.shape
+    s = scale.float().reshape(-1).tolist()
+    vals = x.float().reshape(t, h, d).tolist()
+    out = torch.empty(t, h, d, dtype=torch.uint8)
+    for i in range(t):
+        for j in range(h):
+            inv = _f32(1.0 / s[j if len(s) > 1 else 0])  # innocuous double rounding
+            for k in range(d):
+                y = min(max(_f32(vals[i][j][k] * inv), -448.0), 448.0)
+                if y == 0.0:
+                    out[i, j, k] = 0
+                    continue
+                (b,) = struct.unpack("<I", struct.pack("<f", _f32(y * 2.0**-120)))
+                out[i, j, k] = ((b >> 24) & 0x80) | min((b >> 20) & 0x7F, 0x7E)
+    return out.view(FP8_KV_DTYPE)
+
+
 def _quantize_ref(
-    x: torch.Tensor, scale: torch.Tensor, cache_dtype: torch.dtype = torch.int8
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    cache_dtype: torch.dtype = torch.int8,
+    fp8_rounding: str = "nearest",
 ) -> torch.Tensor:
     """Golden codes of ``x`` ``[T, H, D]`` for each scale form of the module doc,
     written from the rules (fp32 / fp64 arithmetic, hand rounding), not from the
     kernels' helpers."""
     if cache_dtype == FP8_KV_DTYPE:
+        if fp8_rounding == "trunc":
+            return fp8_trunc_ref(x, scale)
         quot = x.float() / scale.float().view(1, -1, 1)
         return _fp8_ref(torch.clamp(quot, -448.0, 448.0))
     if scale.dim() == 2:
@@ -1087,12 +1162,17 @@ def reshape_and_cache_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     layout: str = "nz",
+    fp8_rounding: str = "nearest",
 ) -> None:
     """Golden reference: one token at a time, in slot order, each feature placed by
     the layout table's index formula."""
-    kq = _quantize_ref(key, k_scale, key_cache.dtype) if k_scale is not None else key
+    kq = (
+        _quantize_ref(key, k_scale, key_cache.dtype, fp8_rounding)
+        if k_scale is not None
+        else key
+    )
     vq = (
-        _quantize_ref(value, v_scale, value_cache.dtype)
+        _quantize_ref(value, v_scale, value_cache.dtype, fp8_rounding)
         if v_scale is not None
         else value
     )

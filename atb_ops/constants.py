@@ -54,6 +54,11 @@ FP8_E4M3_MAX = 448.0
 #: Cache dtype of an FP8 KV cache (vLLM ``kv_cache_dtype="fp8"`` / ``"fp8_e4m3"``).
 FP8_KV_DTYPE = torch.float8_e4m3fn
 
+#: How an FP8 KV cache write rounds ``x / scale`` to E4M3 (see :mod:`.quant`):
+#: ``"nearest"`` (ties to even: vLLM's CUDA cache write, the default) or ``"trunc"``
+#: (toward zero: vLLM's CPU cache write).
+FP8_ROUNDINGS = ("nearest", "trunc")
+
 #: DeepSeek-V3 weight block size ``[rows, cols]``.
 FP8_BLOCK = (128, 128)
 

@@ -34,7 +34,8 @@ function                 what
 ``absmax_scale``         ``max(amax / 127, 2**-23)`` from an absmax tensor
 ``dynamic_fake_quant``   per-slice (e.g. per token and head) quant -> dequant
 ``c8_codes``             C8 (per-channel KV) codes, vllm-ascend's write rule
-``fp8_codes``            FP8 E4M3 KV codes, vLLM's write rule
+``fp8_codes``            FP8 E4M3 KV codes, vLLM's write rule (CUDA or CPU
+                         rounding)
 =======================  ====================================================
 
 The two KV-cache forms follow their consumers' cache writes, not the rule above:
@@ -49,11 +50,21 @@ The two KV-cache forms follow their consumers' cache writes, not the rule above:
   ``_c8_kv_scale_weight_loader``). For a bf16 model the rounded product can land
   one code away from the fp32 quotient, so the fp32 rule would not reproduce the
   deployed cache.
-* **FP8 E4M3** (vLLM, ``[1]`` or ``[Hkv]`` fp32 scales): ``x / s`` in fp32,
-  saturated at +-448, cast to ``float8_e4m3fn`` (round to nearest even); read back
-  as ``code * s`` (vllm-project/vllm@2fed15b1
-  ``csrc/quantization/fp8/nvidia/quant_utils.cuh`` ``scaled_vec_conversion``:
-  ``__nv_cvt_float_to_fp8(float(x) / scale, __NV_SATFINITE, E4M3)``).
+* **FP8 E4M3** (vLLM, ``[1]`` or ``[Hkv]`` fp32 scales), read back as ``code * s``.
+  The write rounds one of two ways (``rounding``, :data:`.constants.FP8_ROUNDINGS`):
+
+  - ``"nearest"`` (vLLM on CUDA, the default): ``x / s`` in fp32, saturated at
+    +-448, cast to ``float8_e4m3fn`` (round to nearest even)
+    (vllm-project/vllm@2fed15b1 ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
+    ``scaled_vec_conversion``: ``__nv_cvt_float_to_fp8(float(x) / scale,
+    __NV_SATFINITE, E4M3)``);
+  - ``"trunc"`` (vLLM on CPU): ``y = x * (1 / s)``, the reciprocal and the product
+    rounded to fp32, saturated at +-448, then the E4M3 code *toward zero* -- the
+    kernel keeps the sign, exponent and top three mantissa bits of ``y * 2**-120``
+    and drops the rest; ``y == 0`` gives the code +0 (vllm-project/vllm@0f25e050
+    ``csrc/cpu/cpu_attn_fp8.hpp`` ``float_to_fp8e4m3_scalar``, called with the
+    layer's ``1 / k_scale``). Round to nearest gives the same code for about half
+    of the values only.
 """
 
 from __future__ import annotations
@@ -63,13 +74,21 @@ import math
 
 import torch
 
-from .constants import FP8_E4M3_MAX, FP8_KV_DTYPE, INT8_MAX, INT8_MIN, SCALE_EPS
+from .constants import (
+    FP8_E4M3_MAX,
+    FP8_KV_DTYPE,
+    FP8_ROUNDINGS,
+    INT8_MAX,
+    INT8_MIN,
+    SCALE_EPS,
+)
 
 __all__ = [
     "absmax_scale",
     "dynamic_fake_quant",
     "c8_codes",
     "c8_held_scale",
+    "check_fp8_rounding",
     "fp8_codes",
     "fake_quant_per_head",
     "int8_codes",
@@ -181,15 +200,54 @@ def c8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(x * inv), INT8_MIN, INT8_MAX)
 
 
-def fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 codes of ``x``: ``float8_e4m3fn(clamp(x.float() / s, +-448))``.
+def check_fp8_rounding(fn: str, rounding: object) -> str:
+    """``rounding`` if it is one of :data:`.constants.FP8_ROUNDINGS`, else a
+    ``ValueError`` naming ``fn`` and the choices."""
+    if not isinstance(rounding, str) or rounding not in FP8_ROUNDINGS:
+        raise ValueError(
+            f"{fn}: fp8_rounding must be one of {', '.join(FP8_ROUNDINGS)}, got "
+            f"{rounding!r}"
+        )
+    return rounding
 
-    ``scale`` fp32 broadcasts against ``x``. Saturating first matters: the cast
-    itself turns out-of-range values into NaN, where vLLM's cache write saturates.
+
+def fp8_codes(
+    x: torch.Tensor, scale: torch.Tensor, rounding: str = "nearest"
+) -> torch.Tensor:
+    """FP8 E4M3 codes of ``x`` as vLLM's cache write stores them (module doc).
+
+    ``scale`` fp32 broadcasts against ``x``. ``rounding="nearest"``:
+    ``float8_e4m3fn(clamp(x.float() / s, +-448))``; ``"trunc"``: the code toward
+    zero of ``clamp(x.float() * (1 / s), +-448)``. Saturating first matters: the
+    cast itself turns out-of-range values into NaN, where vLLM saturates.
     """
     s = scale.to(device=x.device, dtype=torch.float32)
+    if rounding == "trunc":
+        y = torch.clamp(x.float() * torch.reciprocal(s), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        return _toward_zero(y)
+    check_fp8_rounding("fp8_codes", rounding)
     y = torch.clamp(x.float() / s, -FP8_E4M3_MAX, FP8_E4M3_MAX)
     return y.to(FP8_KV_DTYPE)
+
+
+def _toward_zero(y: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of fp32 ``y`` (within +-448) rounded toward zero.
+
+    The nearest code is the truncated one or the next larger magnitude; the
+    non-negative codes 0x00..0x7e grow with their bits, so one step down of the
+    magnitude byte (the sign bit stays) corrects an overshoot. Below E4M3's
+    smallest normal (2**-6) the CPU kernel's ``y * 2**-120`` is an fp32 subnormal,
+    rounded to a multiple of 2**-149 before its bits are cut (a value below 2**-30
+    becomes a signed zero); the same product here reproduces that. ``y == 0``
+    (either sign) stores +0 as the kernel does.
+    """
+    cut = (y * 2.0**-120) * 2.0**120
+    near = cut.to(FP8_KV_DTYPE)
+    bits = near.view(torch.uint8)
+    over = near.float().abs() > cut.abs()
+    bits = torch.where(over, bits - 1, bits)
+    bits = torch.where(y == 0, torch.zeros_like(bits), bits)
+    return bits.view(FP8_KV_DTYPE)
 
 
 def dynamic_fake_quant(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

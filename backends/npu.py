@@ -237,8 +237,18 @@ def _cache_spec(key, key_cache, layout, *, mla=False, rope_dim=0) -> AttentionSp
 
 
 def _cache_kernel(
-    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, layout
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    k_scale,
+    v_scale,
+    layout,
+    fp8_rounding="nearest",
 ):
+    # fp8_rounding only applies to float8_e4m3fn caches, which the capability
+    # table refuses on the NPU (npu.fp8_kv) before this runs
     _KERNEL.require(_cache_spec(key, key_cache, layout))
     npu_kernels.reshape_and_cache(
         *_device(), key, value, key_cache, value_cache, slot_mapping, k_scale,

@@ -76,6 +76,18 @@ def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (y.to(torch.float8_e4m3fn).double() * s).to(x.dtype)
 
 
+def fp8_trunc_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's CPU FP8 cache: one scale per layer (the max of ``[Hkv]``), ``y = x *
+    (1 / s)`` in fp32 saturated at 448, kept to E4M3's 3 mantissa bits toward zero
+    (``frexp``; below 2**-6 the step is E4M3's subnormal 2**-9)."""
+    s = scale.float().max()
+    y = (x.float() * (1.0 / s)).clamp(-448, 448).double()
+    _, e = torch.frexp(y)  # |y| = m * 2**e, m in [0.5, 1)
+    step = torch.exp2((e.clamp(min=-5) - 4).double())
+    codes = torch.trunc(y / step) * step
+    return (codes * s.double()).to(x.dtype)
+
+
 _REF: dict = {}
 
 
@@ -83,7 +95,9 @@ def _reference_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     sc = _REF["scales"][module.layer_idx]
-    fq = c8_fake_quant if _REF["mode"] == "c8" else fp8_fake_quant
+    fq = {"c8": c8_fake_quant, "fp8_kv": fp8_fake_quant}.get(
+        _REF["mode"], fp8_trunc_fake_quant
+    )
     key, value = fq(key, sc["k"]), fq(value, sc["v"])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -197,6 +211,27 @@ def test_fp8_artifact_matches_independent_fake_quant(tmp_path, per_head):
     want = _reference_steps(model, ids, 4, "fp8_kv", scales)
     for a, b in zip(got, want, strict=True):
         assert float((a - b).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_trunc_matches_independent_fake_quant(tmp_path, per_head):
+    """``fp8_rounding="trunc"``: vLLM's CPU cache, toward zero with one scale per
+    layer (a per-head artifact runs with the max of its heads)."""
+    model = _tiny()
+    scales = _calibrated(model, "fp8_kv", shrink=0.5)
+    if not per_head:
+        scales = [{n: t.amax().reshape(1) for n, t in sc.items()} for sc in scales]
+    art = _fp8_artifact(tmp_path / "fp8", scales)
+    ids = _ids(37)
+    kw = dict(mode="fp8_kv", scales=art)
+    with enable_paged_int8_attention(model, fp8_rounding="trunc", **kw) as rt:
+        got = _paged_steps(rt, ids, 4)
+    with enable_paged_int8_attention(model, **kw) as rt:
+        nearest = _paged_steps(rt, ids, 4)
+    want = _reference_steps(model, ids, 4, "fp8_trunc", scales)
+    for a, b in zip(got, want, strict=True):
+        assert float((a - b).abs().max()) <= ATOL
+    assert float((got[0] - nearest[0]).abs().max()) > 10 * ATOL
 
 
 @pytest.mark.parametrize("mode", ["c8", "fp8_kv"])

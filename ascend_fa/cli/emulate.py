@@ -42,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "artifact deploys, or int8_kv and faquant)",
     )
     parser.add_argument(
+        "--fp8-rounding",
+        default="nearest",
+        metavar="nearest|trunc",
+        help="how an FP8 KV artifact's (--target vllm) cache write rounds: nearest "
+        "(vLLM on CUDA, default) or trunc (vLLM on CPU: toward zero)",
+    )
+    parser.add_argument(
         "--prompt", default=None, help="prompt for the greedy comparison"
     )
     parser.add_argument(
@@ -106,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         max_eval_tokens=args.max_eval_tokens,
         block_size=args.block_size,
         backend=args.backend,
+        fp8_rounding=args.fp8_rounding,
     )
     rows = report.rows
     ppl_ref = rows[0]["ppl"]
@@ -124,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     print(head)
     print("-" * len(head))
     for r in rows:
+        if r.get("fp8_rounding", "nearest") != "nearest":
+            r = {**r, "mode": f"{r['mode']} {r['fp8_rounding']}"}
         match = "ref" if r["matched"] is None else f"{r['matched']}/{r['n']}"
         prefix = "" if r["prefix"] is None else str(r["prefix"])
         delta = 100.0 * (r["ppl"] / ppl_ref - 1.0)

@@ -97,6 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="use at most this many tokens of each data set",
     )
     parser.add_argument(
+        "--fp8-rounding",
+        default="nearest",
+        metavar="nearest|trunc",
+        help="how an FP8 KV artifact's (--target vllm) cache write rounds: nearest "
+        "(vLLM on CUDA, default) or trunc (vLLM on CPU: toward zero)",
+    )
+    parser.add_argument(
         "--json",
         default=None,
         metavar="FILE",
@@ -126,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         window=args.window,
         max_tokens=args.max_tokens,
+        fp8_rounding=args.fp8_rounding,
     )
     title, headers, rows = report.table()
     print_table(headers, rows, title=title)

@@ -74,6 +74,7 @@ from torch import nn
 
 from ascend_fa.adapters.hf import register_attention_function
 from ascend_fa.atb_ops import c0
+from ascend_fa.atb_ops.quant import check_fp8_rounding
 from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
 from ascend_fa.backends import Backend, get_backend
 from ascend_fa.kvcache import CacheBatch, PagedKVCache
@@ -158,9 +159,11 @@ class QuantizedKVRuntime:
         block_size: int = 128,
         num_blocks: int | None = None,
         backend: str | Backend | None = None,
+        fp8_rounding: str = "nearest",
     ) -> None:
         if mode not in EMULATION_MODES:
             raise ValueError(f"mode must be one of {EMULATION_MODES}, got {mode!r}")
+        check_fp8_rounding("enable_paged_int8_attention", fp8_rounding)
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -202,6 +205,7 @@ class QuantizedKVRuntime:
             )
         self.model = model
         self.mode = mode
+        self.fp8_rounding = fp8_rounding
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = (
@@ -420,6 +424,10 @@ class QuantizedKVRuntime:
                     )
                 sc = self._dynamic[layer]
             sc = {n: t.to(query.device) for n, t in sc.items()}
+            if self.mode == "fp8_kv" and self.fp8_rounding == "trunc":
+                # vLLM's CPU kernel takes one scale per layer, the max of [Hkv]
+                # (FP8FakeQuant in ascend_fa/calibration/kv.py cites the loader)
+                sc = {n: t.max().reshape(1) for n, t in sc.items()}
         k_scale, v_scale, q_scale = sc.get("k"), sc.get("v"), sc.get("q")
         key_cache, value_cache = self.cache.layer(layer)
         layout = self.cache.layout
@@ -427,7 +435,8 @@ class QuantizedKVRuntime:
             k_new.transpose(1, 2).reshape(b * s, hkv, d),
             v_new.transpose(1, 2).reshape(b * s, hkv, d),
             key_cache, value_cache, batch.slot_mapping,
-            k_scale=k_scale, v_scale=v_scale, layout=layout, backend=self.backend,
+            k_scale=k_scale, v_scale=v_scale, layout=layout,
+            fp8_rounding=self.fp8_rounding, backend=self.backend,
         )  # fmt: skip
         scale = float(scaling if scaling is not None else module.scaling)
         common = dict(
@@ -589,6 +598,7 @@ def enable_paged_int8_attention(
     block_size: int = 128,
     num_blocks: int | None = None,
     backend: str | Backend | None = None,
+    fp8_rounding: str = "nearest",
 ) -> QuantizedKVRuntime:
     """Route ``model``'s attention through the paged cache and return the handle.
 
@@ -604,8 +614,11 @@ def enable_paged_int8_attention(
             float).
         num_blocks: fixed cache size in blocks, or None to grow on demand.
         backend: backend name or instance for every op (default: selected per op).
+        fp8_rounding: how ``"fp8_kv"`` writes the cache: ``"nearest"`` (vLLM on
+            CUDA) or ``"trunc"`` (vLLM on CPU: toward zero, and one scale per
+            layer, the max of a per-head ``[Hkv]`` scale, as its kernel takes).
     """
     return QuantizedKVRuntime(
         model, mode=mode, scales=scales, block_size=block_size,
-        num_blocks=num_blocks, backend=backend,
+        num_blocks=num_blocks, backend=backend, fp8_rounding=fp8_rounding,
     )  # fmt: skip

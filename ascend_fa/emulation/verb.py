@@ -24,7 +24,8 @@ With ``--artifact`` the modes follow what the artifact deploys (or ``--mode``,
 which must fit it): FA scales (MindIE) run ``int8_kv`` and ``faquant``, C8 scales
 (vllm-ascend) run ``c8`` -- the int8 cache with per-channel scales and a float
 query, quantized on write as vllm-ascend does -- and vLLM FP8 KV scales run
-``fp8_kv``.
+``fp8_kv``, written as vLLM on CUDA writes its cache (round to nearest) or, with
+``--fp8-rounding trunc``, as vLLM on CPU does (toward zero, one scale per layer).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ascend_fa.calibration.kv import fp8_rounding_flag
 from ascend_fa.errors import FileFormatError, InputError, NotFoundError
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import token_kl, token_nll
@@ -253,10 +255,12 @@ def run_emulate(
     max_eval_tokens: int | None = 2048,
     block_size: int = 128,
     backend: str | None = None,
+    fp8_rounding: str = "nearest",
 ) -> EmulateReport:
     """Run the plain model, ``float`` through the paged cache, and each of
     ``modes`` (default: ``int8_kv`` and ``faquant``, or what ``artifact`` deploys)
-    on the same prompt and text."""
+    on the same prompt and text. ``fp8_rounding`` is the ``fp8_kv`` cache write's
+    rounding: ``"nearest"`` (vLLM on CUDA) or ``"trunc"`` (vLLM on CPU)."""
     from ascend_fa.evaluation import load_eval_text, token_windows
     from ascend_fa.models import load_model
 
@@ -264,12 +268,18 @@ def run_emulate(
         raise InputError("--max-new-tokens must be > 0")
     if window < 2:
         raise InputError("--window must be >= 2")
+    fp8_rounding_flag(fp8_rounding)
     if artifact is not None and not Path(artifact).is_dir():
         raise NotFoundError("artifact not found", path=artifact)
     # Read (and so check) the artifact and the text before the model loads.
     kind, scale_map = artifact_scales(artifact) if artifact is not None else ("", None)
     eval_text = load_eval_text(eval_data)
     modes = _artifact_modes(kind, modes) if kind else modes or ["int8_kv", "faquant"]
+    if fp8_rounding != "nearest" and "fp8_kv" not in modes:
+        raise InputError(
+            f"--fp8-rounding {fp8_rounding} applies to the fp8_kv mode only (an FP8 "
+            f"KV artifact, --target vllm); this run has {', '.join(modes)}"
+        )
     loaded = load_model(model, gguf_file)
     net, tok = loaded.model, loaded.tokenizer
     device = next(net.parameters()).device
@@ -334,6 +344,7 @@ def run_emulate(
             scales=scales,
             block_size=block_size,
             backend=backend,
+            fp8_rounding=fp8_rounding,
         ) as rt:
             gen = rt.generate(ids, max_new_tokens, eos_token_id=eos)[0]
             logits = []
@@ -343,6 +354,7 @@ def run_emulate(
         report.rows.append(
             {
                 "mode": "float-paged" if mode == "float" else mode,
+                **({"fp8_rounding": fp8_rounding} if mode == "fp8_kv" else {}),
                 "scales": "-" if mode == "float" else source,
                 **compare(ref, gen, start),
                 **fidelity(logits, ref_logits, windows),

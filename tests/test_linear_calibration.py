@@ -144,6 +144,34 @@ def test_layer_fallback_is_layer_local_and_capped():
     assert relaxed.num_float == 0
 
 
+@pytest.mark.parametrize("quant_type", ["W8A8", "W8A8_DYNAMIC"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_deepseek], ids=["llama", "mla"])
+def test_decisions_do_not_depend_on_the_cpu_int_product(build, quant_type, monkeypatch):
+    """The search, the layer fallback and the quantized forwards give the same
+    decisions (alpha, clip, range, fallback set, gains) and bit-equal artifact
+    tensors whichever exact CPU product ``int_gemm`` takes (torch's int8 GEMM, the
+    one the search was built on, or the fp32 K chunks)."""
+    from ascend_fa.atb_ops import linear as linear_ops
+
+    tok = byte_tokenizer()
+    runs = []
+    for int_mm in (True, False):
+        monkeypatch.setattr(linear_ops, "_CPU_INT_MM", int_mm)
+        model = build()
+        config = {"quant_type": quant_type, "fallback": 3, "layer_budget": 0.0}
+        result = _run(model, tok, **config)
+        state = export_state(model, dict(model.state_dict()))
+        report = result.to_report()
+        report.pop("seconds")
+        runs.append((report, state))
+    (report_a, state_a), (report_b, state_b) = runs
+    assert report_a == report_b
+    assert any(g["quant_type"] == "FLOAT" for g in report_a["groups"])
+    assert state_a.keys() == state_b.keys()
+    for key, tensor in state_a.items():
+        assert torch.equal(tensor, state_b[key]), key
+
+
 def test_layer_fallback_spends_the_cap_pro_rata_over_depth():
     """A layer cannot see the layers after it, so after the i-th of L layers at
     most ceil(cap * i / L) linears are float; a share a layer does not use passes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ascend_fa.atb_ops import linear as linear_ops
 from ascend_fa.atb_ops.linear import (
     decode_deq_scale,
     dynamic_quant,
@@ -90,13 +91,17 @@ def test_quant_matmul_integer_sum_is_exact_for_large_k():
 
 
 @pytest.mark.parametrize("int8_gemm", [True, False], ids=["int_mm", "fp32-chunks"])
-@pytest.mark.parametrize("shape", [(1, 1, 1), (3, 7, 5), (5, 2051, 9), (0, 8, 4)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1), (3, 7, 5), (17, 1500, 24), (5, 2051, 9), (0, 8, 4)]
+)
 def test_int_gemm_is_the_exact_int32_product(shape, int8_gemm, monkeypatch):
     """Both spellings of the accumulator (torch's int8 GEMM, and fp32 GEMMs over
-    exact K chunks for builds or devices without it) equal a naive integer loop,
-    including K beyond one 1024-wide chunk and an empty batch."""
-    if not int8_gemm:
-        monkeypatch.delattr(torch, "_int_mm", raising=False)
+    exact K chunks for CPUs where those are faster, builds or devices without it)
+    equal a naive integer loop, including K beyond one 1024-wide chunk (two and
+    three chunks) and an empty batch."""
+    if int8_gemm and not hasattr(torch, "_int_mm"):
+        pytest.skip("this torch build has no torch._int_mm")
+    monkeypatch.setattr(linear_ops, "_CPU_INT_MM", int8_gemm)
     m, k, n = shape
     x, w = _codes((m, k), seed=3), _codes((n, k), seed=4)
     got = int_gemm(x, w)
@@ -106,6 +111,16 @@ def test_int_gemm_is_the_exact_int32_product(shape, int8_gemm, monkeypatch):
     # the extreme sum: -128 * -128 over K = 65535, the largest K the device takes
     big = torch.full((1, 65535), -128, dtype=torch.int8)
     assert int(int_gemm(big, big)[0, 0]) == 16384 * 65535
+
+
+def test_int_gemm_chooses_its_cpu_product_once(monkeypatch):
+    """The CPU product is chosen by one timing per process and then kept; either
+    choice is exact (the test above)."""
+    monkeypatch.setattr(linear_ops, "_CPU_INT_MM", None)
+    first = linear_ops._cpu_int_mm_faster()
+    assert isinstance(first, bool) and linear_ops._CPU_INT_MM is first
+    monkeypatch.setattr(linear_ops, "_best_seconds", lambda *_a, **_k: 1 / 0)
+    assert linear_ops._cpu_int_mm_faster() is first  # not timed again
 
 
 def test_int64_deq_scale_keeps_fp19():

@@ -128,19 +128,13 @@ class CalibrationPlan:
             if self.merge
             else f"write {self.output}"
         )
-        extras = [
-            name
-            for name, on in (
-                ("streaming", self.streaming),
-                ("clip search", self.clip_search),
-                (f"transforms {','.join(self.transforms)}", bool(self.transforms)),
-                (
-                    f"error budget KL {self.error_budget:g}",
-                    self.error_budget is not None,
-                ),
-            )
-            if on
-        ]
+        extras = ["streaming"] if self.streaming else []
+        if self.clip_search:
+            extras.append("clip search")
+        if self.transforms:
+            extras.append(f"transforms {','.join(self.transforms)}")
+        if self.error_budget is not None:
+            extras.append(f"error budget KL {self.error_budget:g}")
         return [
             f"model: {self.model if self.model is not None else 'default demo model'}",
             f"target: {self.target} ({dtype_name(self.dtype)} weights"

@@ -127,7 +127,7 @@ def _export(
         if source.streamed is not None
         else artifact.checkpoint_tensors(net, dtype, tied_copies=tied_copies)
     )
-    if source.mla and not loaded.gguf_file:
+    if source.kind is not None and source.kind.carried_layers and not loaded.gguf_file:
         ckpt = with_carried(ckpt, loaded.source_dir, net.config, dtype)
     metadata = {
         **(transforms.description_metadata() if transforms is not None else {}),

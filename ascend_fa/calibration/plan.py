@@ -24,6 +24,7 @@ import torch
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError
+from ascend_fa.families import is_mla
 
 from .arguments import (
     LINEAR_TYPES,
@@ -192,7 +193,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
             f"{', '.join(artifact.KV_STRATEGIES)}"
         )
     src_config = source_config(args["model"])
-    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
+    mla = is_mla(src_config.get("model_type")) if src_config else None
     linear_type = _resolved_linear(args["linear"], args["merge_into"], target, mla)
     return CalibrationPlan(
         model=args["model"],

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ascend_fa import parallel
+from ascend_fa.families import AttentionKind, attention_kind, is_mla
 
 from .plan import CalibrationPlan
 
@@ -49,7 +50,12 @@ class Source:
 
     @property
     def mla(self) -> bool:
-        return self.model_type == "deepseek_v3"
+        return is_mla(self.model_type)
+
+    @property
+    def kind(self) -> AttentionKind | None:
+        """The model's attention kind (:mod:`ascend_fa.families`)."""
+        return attention_kind(self.model_type)
 
     @property
     def name(self) -> str:
@@ -62,7 +68,7 @@ class Source:
     def kv_mode(self, target: str) -> str | None:
         """``"c8"`` / ``"fp8"`` when ``target`` deploys a quantized KV cache for
         this model (GQA on vllm-ascend / vllm), else None (FA scales)."""
-        if self.mla:
+        if self.kind is not None and not self.kind.kv_cache_targets:
             return None
         return {"vllm-ascend": "c8", "vllm": "fp8"}.get(target)
 

@@ -1,6 +1,7 @@
 """Model adapters: where Q, K and V of each supported architecture are observed.
 
-The registry is keyed by ``config.model_type``:
+The model types and their attention kinds are declared in
+:data:`ascend_fa.families.FAMILIES`; each kind names its adapter:
 
 ================  ===================================  =============
 model_type        adapter                              fa_quant_type
@@ -28,6 +29,8 @@ from typing import Any
 
 from torch import nn
 
+from ascend_fa.families import FAMILIES, attention_kind
+
 from .base import InjectingAdapter, remove_injection
 from .deepseek_v3 import DeepseekV3Adapter
 from .gqa import GQAAdapter
@@ -44,13 +47,20 @@ __all__ = [
     "supported_model_types",
 ]
 
-_REGISTRY: dict[str, Callable[[], object]] = {
-    "llama": GQAAdapter,
-    "qwen2": GQAAdapter,
-    "qwen3": GQAAdapter,
-    "mistral": GQAAdapter,
-    "deepseek_v3": DeepseekV3Adapter,
+#: The adapter class each attention kind of :mod:`ascend_fa.families` names.
+_ADAPTERS: dict[str, Callable[[], object]] = {
+    "GQAAdapter": GQAAdapter,
+    "DeepseekV3Adapter": DeepseekV3Adapter,
 }
+#: Adapters registered explicitly (:func:`register_adapter`), before the families.
+_REGISTRY: dict[str, Callable[[], object]] = {}
+
+
+def _factory(model_type: str) -> Callable[[], object] | None:
+    if model_type in _REGISTRY:
+        return _REGISTRY[model_type]
+    kind = attention_kind(model_type)
+    return _ADAPTERS[kind.adapter] if kind is not None else None
 
 
 def register_adapter(model_type: str, factory: Callable[[], object]) -> None:
@@ -60,7 +70,7 @@ def register_adapter(model_type: str, factory: Callable[[], object]) -> None:
 
 def supported_model_types() -> list[str]:
     """The ``config.model_type`` values that have an adapter, sorted."""
-    return sorted(_REGISTRY)
+    return sorted({*FAMILIES, *_REGISTRY})
 
 
 def get_adapter(model: nn.Module | str) -> GQAAdapter | DeepseekV3Adapter:
@@ -79,7 +89,7 @@ def get_adapter(model: nn.Module | str) -> GQAAdapter | DeepseekV3Adapter:
                 f"config.model_type; supported model types: "
                 f"{', '.join(supported_model_types())}"
             )
-    factory = _REGISTRY.get(model_type)
+    factory = _factory(model_type)
     if factory is None:
         raise ValueError(
             f"no FA3 adapter for model type {model_type!r}; supported model types: "

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,14 +91,69 @@ def _cache_shape(layout, nb, bs, heads, width, dtype):
 _LABELS = {"int8_kv": "int8 {} (int8-KV)", "faquant": "int8 {} (FAQuant)"}
 
 
-def run(args: argparse.Namespace) -> int:
-    from ascend_fa import (
-        mla_paged_attention,
-        paged_attention,
-        reshape_and_cache,
-        reshape_and_cache_mla,
+@dataclass
+class _Decode:
+    """The decode problem both sides run: B sequences of ``ctx`` tokens in a
+    shuffled paged table, their K/V and one bf16 query token each."""
+
+    b: int
+    ctx: int
+    h: int
+    hkv: int
+    d: int
+    bs: int
+    repeats: int
+    gen: torch.Generator
+    nb: int
+    table: torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    query: torch.Tensor
+
+    @property
+    def scale(self) -> float:
+        return 1 / math.sqrt(self.d)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {
+            "B": self.b,
+            "H": self.h,
+            "Hkv": self.hkv,
+            "D": self.d,
+            "context": self.ctx,
+            "BS": self.bs,
+        }
+
+
+def _setup(args: argparse.Namespace, dev: torch.device) -> _Decode:
+    b = 2 if args.quick else args.batch
+    ctx = 1024 if args.quick else args.context
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    gen = torch.Generator().manual_seed(0)
+    nb, table, slots = _paged(b, ctx, args.block_size, gen)
+    return _Decode(
+        b,
+        ctx,
+        h,
+        hkv,
+        d,
+        args.block_size,
+        3 if args.quick else args.repeats,
+        gen,
+        nb,
+        table.to(dev),
+        slots.to(dev),
+        torch.full((b,), ctx, dtype=torch.int32, device=dev),
+        key=torch.randn(b * ctx, hkv, d, generator=gen).to(dev),
+        value=torch.randn(b * ctx, hkv, d, generator=gen).to(dev),
+        query=torch.randn(b, h, d, generator=gen).bfloat16().to(dev),
     )
 
+
+def run(args: argparse.Namespace) -> int:
     backend = bench_backend(args.backend)
     dev = backend.device
     if args.threads:
@@ -105,63 +162,45 @@ def run(args: argparse.Namespace) -> int:
         return _sweep(args, backend, dev)
     if args.plot:
         raise UnsupportedError("--plot draws a sweep: add --sweep")
-    b = 2 if args.quick else args.batch
-    ctx = 1024 if args.quick else args.context
-    h, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    repeats = 3 if args.quick else args.repeats
-    gen = torch.Generator().manual_seed(0)
-    nb, table, slots = _paged(b, ctx, bs, gen)
-    table, slots = table.to(dev), slots.to(dev)
-    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
-    key = torch.randn(b * ctx, hkv, d, generator=gen).to(dev)
-    value = torch.randn(b * ctx, hkv, d, generator=gen).to(dev)
-    query = torch.randn(b, h, d, generator=gen).bfloat16().to(dev)
-    scale = 1 / math.sqrt(d)
+    p = _setup(args, dev)
+    rows, results, goal_ratio = _gqa_rows(backend, p)
+    row, result = _mla_row(dev, p)
+    rows.append(row)
+    if result is not None:
+        results.append(result)
+    _report(args, backend, p, rows, results, goal_ratio)
+    return 0
 
+
+def _refused(label: str, exc: Exception) -> list[Any]:
+    return [label, "-", "-", "refused", str(exc).split("\n")[-1][:70]]
+
+
+def _gqa_rows(backend: Any, p: _Decode) -> tuple[list, list, float | None]:
+    """The int8-KV, FAQuant and bf16 paged caches against SDPA on the dense fp32
+    cache: table rows, result dicts and the int8-KV ratio (the goal row)."""
+    b, ctx, h, hkv, d = p.b, p.ctx, p.h, p.hkv, p.d
     # baseline: SDPA over the same K/V as a dense fp32 cache [B, Hkv, ctx, D]
-    k_dense = key.view(b, ctx, hkv, d).transpose(1, 2).contiguous()
-    v_dense = value.view(b, ctx, hkv, d).transpose(1, 2).contiguous()
-    q_dense = query.float().view(b, h, 1, d)
+    k_dense = p.key.view(b, ctx, hkv, d).transpose(1, 2).contiguous()
+    v_dense = p.value.view(b, ctx, hkv, d).transpose(1, 2).contiguous()
+    q_dense = p.query.float().view(b, h, 1, d)
 
     def sdpa():
         return F.scaled_dot_product_attention(
-            q_dense, k_dense, v_dense, scale=scale, enable_gqa=True
+            q_dense, k_dense, v_dense, scale=p.scale, enable_gqa=True
         )
 
     ref = sdpa().view(b, h, d)
     rows, results, goal_ratio = [], [], None
-    ks, vs = _amax_scale(key, 1), _amax_scale(value, 1)
+    ks, vs = _amax_scale(p.key, 1), _amax_scale(p.value, 1)
     for mode in ("int8_kv", "faquant", "float"):
         layout = backend.preferred_layout(mode)
-        dtype = torch.bfloat16 if mode == "float" else torch.int8
         label = _LABELS.get(mode, "bf16 {}").format(layout.upper())
         try:
-            shape = _cache_shape(layout, nb, bs, hkv, d, dtype)
-            kc = torch.zeros(shape, dtype=dtype, device=dev)
-            vc = torch.zeros_like(kc)
-            sc = (ks, vs) if dtype == torch.int8 else (None, None)
-            reshape_and_cache(
-                key.bfloat16(),
-                value.bfloat16(),
-                kc,
-                vc,
-                slots,
-                k_scale=sc[0],
-                v_scale=sc[1],
-                layout=layout,
-            )
-            kw = dict(num_kv_heads=hkv, scale=scale, layout=layout)
-            if mode != "float":
-                kw.update(k_scale=ks, v_scale=vs)
-            if mode == "faquant":
-                kw["q_scale"] = _amax_scale(query, 1)
-
-            def call(kc=kc, vc=vc, kw=kw):
-                return paged_attention(query, kc, vc, table, seq_lens, **kw)
-
-            t_sdpa, t = time_pair(dev, sdpa, call, repeats=repeats)
+            call = _paged_call(p, mode, layout, ks, vs)
+            t_sdpa, t = time_pair(backend.device, sdpa, call, repeats=p.repeats)
         except (UnsupportedError, ValueError) as exc:
-            rows.append([label, "-", "-", "refused", str(exc).split("\n")[-1][:70]])
+            rows.append(_refused(label, exc))
             continue
         cos = float(
             F.cosine_similarity(
@@ -181,8 +220,50 @@ def run(args: argparse.Namespace) -> int:
                 "cosine_vs_fp32": cos,
             }
         )
+    return rows, results, goal_ratio
 
-    # MLA FAKQuant decode vs the same math on the dense fp32 latent (one KV head)
+
+def _paged_call(
+    p: _Decode, mode: str, layout: str, ks: torch.Tensor, vs: torch.Tensor
+) -> Any:
+    """A cache of ``mode`` in ``layout`` filled with the K/V, and the decode call
+    over it."""
+    from ascend_fa import paged_attention, reshape_and_cache
+
+    dev = p.query.device
+    dtype = torch.bfloat16 if mode == "float" else torch.int8
+    shape = _cache_shape(layout, p.nb, p.bs, p.hkv, p.d, dtype)
+    kc = torch.zeros(shape, dtype=dtype, device=dev)
+    vc = torch.zeros_like(kc)
+    sc = (ks, vs) if dtype == torch.int8 else (None, None)
+    reshape_and_cache(
+        p.key.bfloat16(),
+        p.value.bfloat16(),
+        kc,
+        vc,
+        p.slots,
+        k_scale=sc[0],
+        v_scale=sc[1],
+        layout=layout,
+    )
+    kw: dict[str, Any] = dict(num_kv_heads=p.hkv, scale=p.scale, layout=layout)
+    if mode != "float":
+        kw.update(k_scale=ks, v_scale=vs)
+    if mode == "faquant":
+        kw["q_scale"] = _amax_scale(p.query, 1)
+
+    def call():
+        return paged_attention(p.query, kc, vc, p.table, p.seq_lens, **kw)
+
+    return call
+
+
+def _mla_row(dev: torch.device, p: _Decode) -> tuple[list, dict | None]:
+    """MLA FAKQuant decode vs the same math on the dense fp32 latent (one KV
+    head): the table row and the result (None when the device refuses)."""
+    from ascend_fa import mla_paged_attention, reshape_and_cache_mla
+
+    b, ctx, gen = p.b, p.ctx, p.gen
     hm, r, dr = 16, 512, 64
     latent = torch.randn(b * ctx, r, generator=gen).to(dev)
     rope = torch.randn(b * ctx, dr, generator=gen).to(dev)
@@ -206,54 +287,58 @@ def run(args: argparse.Namespace) -> int:
     label = f"MLA FAKQuant H={hm} R={r}"
     try:
         lc = torch.zeros(
-            _cache_shape("nz", nb, bs, 1, r, torch.int8), dtype=torch.int8, device=dev
+            _cache_shape("nz", p.nb, p.bs, 1, r, torch.int8),
+            dtype=torch.int8,
+            device=dev,
         )
         rc = torch.zeros(
-            _cache_shape("nz", nb, bs, 1, dr, torch.bfloat16),
+            _cache_shape("nz", p.nb, p.bs, 1, dr, torch.bfloat16),
             dtype=torch.bfloat16,
             device=dev,
         )
         reshape_and_cache_mla(
-            latent.bfloat16(), rope.bfloat16(), lc, rc, slots, k_scale=lks
+            latent.bfloat16(), rope.bfloat16(), lc, rc, p.slots, k_scale=lks
         )
 
         def mla():
             return mla_paged_attention(
-                qn, qr, lc, rc, table, seq_lens, scale=mscale, k_scale=lks
+                qn, qr, lc, rc, p.table, p.seq_lens, scale=mscale, k_scale=lks
             )
 
-        t_msdpa, t_mla = time_pair(dev, msdpa, mla, repeats=repeats)
+        t_msdpa, t_mla = time_pair(dev, msdpa, mla, repeats=p.repeats)
         mcos = float(
             F.cosine_similarity(
                 mla().double().flatten(), msdpa().double().flatten(), dim=0
             )
         )
-        rows.append(
-            [
-                label,
-                t_msdpa * 1e3,
-                t_mla * 1e3,
-                f"{t_mla / t_msdpa:.2f}x",
-                f"{mcos:.5f}",
-            ]
-        )
-        results.append(
-            {
-                "cache": "MLA FAKQuant",
-                "sdpa_s": t_msdpa,
-                "paged_s": t_mla,
-                "ratio": t_mla / t_msdpa,
-                "cosine_vs_fp32": mcos,
-            }
-        )
     except (UnsupportedError, ValueError) as exc:
-        rows.append([label, "-", "-", "refused", str(exc).split("\n")[-1][:70]])
+        return _refused(label, exc), None
+    ratio = t_mla / t_msdpa
+    row = [label, t_msdpa * 1e3, t_mla * 1e3, f"{ratio:.2f}x", f"{mcos:.5f}"]
+    return row, {
+        "cache": "MLA FAKQuant",
+        "sdpa_s": t_msdpa,
+        "paged_s": t_mla,
+        "ratio": ratio,
+        "cosine_vs_fp32": mcos,
+    }
 
+
+def _report(
+    args: argparse.Namespace,
+    backend: Any,
+    p: _Decode,
+    rows: list,
+    results: list[dict],
+    goal_ratio: float | None,
+) -> None:
+    """The table, the goal line and the JSON records."""
+    dev = backend.device
     print_table(
         ["paged cache", "dense fp32 ms", "paged ms", "paged / dense", "cos vs fp32"],
         rows,
-        title=f"decode on {backend.name} ({dev}) B={b} H={h} Hkv={hkv} D={d} "
-        f"context={ctx} block={bs} (torch {torch.__version__}, "
+        title=f"decode on {backend.name} ({dev}) B={p.b} H={p.h} Hkv={p.hkv} "
+        f"D={p.d} context={p.ctx} block={p.bs} (torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads)",
     )
     if goal_ratio is None:
@@ -261,35 +346,28 @@ def run(args: argparse.Namespace) -> int:
     else:
         word = "ok" if goal_ratio <= GOAL else "above goal"
         print(f"goal: int8-KV decode <= {GOAL}x SDPA time: {word} ({goal_ratio:.2f}x)")
-    shape = {"B": b, "H": h, "Hkv": hkv, "D": d, "context": ctx, "BS": bs}
     write_results(
         args.json,
-        [
-            Record(
-                NAME,
-                backend.name,
-                r["cache"],
-                shape,
-                r["paged_s"],
-                repeats=repeats,
-                ratio=r["ratio"],
-                baseline="SDPA dense fp32",
-                goal=f"<= {GOAL}" if "int8-KV" in r["cache"] else None,
-                verdict=(
-                    verdict(r["ratio"], f"<= {GOAL}")
-                    if "int8-KV" in r["cache"]
-                    else None
-                ),
-                extra={
-                    "baseline_s": r["sdpa_s"],
-                    "cosine_vs_fp32": r["cosine_vs_fp32"],
-                },
-            )
-            for r in results
-        ],
+        [_record(backend.name, p, r) for r in results],
         backend=backend.name,
     )
-    return 0
+
+
+def _record(backend_name: str, p: _Decode, r: dict) -> Record:
+    goal_row = "int8-KV" in r["cache"]
+    return Record(
+        NAME,
+        backend_name,
+        r["cache"],
+        p.shape,
+        r["paged_s"],
+        repeats=p.repeats,
+        ratio=r["ratio"],
+        baseline="SDPA dense fp32",
+        goal=f"<= {GOAL}" if goal_row else None,
+        verdict=verdict(r["ratio"], f"<= {GOAL}") if goal_row else None,
+        extra={"baseline_s": r["sdpa_s"], "cosine_vs_fp32": r["cosine_vs_fp32"]},
+    )
 
 
 def _sweep(args: argparse.Namespace, backend, dev) -> int:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -216,30 +216,33 @@ def _linear_overhead(
     return {LINEAR_MODES[0][0]: t_lin, LINEAR_MODES[1][0]: t_lin + t_fa}
 
 
-def run(args: argparse.Namespace) -> int:
+class _Setup(NamedTuple):
+    """The model, its adapter, the batches and the two recipes every variant
+    runs: ``config`` (the default recipe's processor) and ``packaged`` (what
+    ``ascend-fa calibrate`` uses, ``max_samples`` tightened to this run)."""
+
+    model: nn.Module
+    what: str
+    load_s: float
+    n: int
+    length: int
+    batch_size: int
+    batches: list[torch.Tensor]
+    adapter: Any
+    config: Any
+    packaged: Any
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
     from ascend_fa.adapters import get_adapter
-    from ascend_fa.adapters.hf import set_point
-    from ascend_fa.atb_ops import per_head_qparams
     from ascend_fa.calibration import (
-        FA_BRANCHES,
-        FA3Observer,
         FA3Processor,
         default_recipe,
         find_fa_modules,
         load_recipe,
     )
     from ascend_fa.calibration.job import default_recipe_path
-    from ascend_fa.calibration.pipeline import (
-        run_forwards,
-        samples_bound,
-        tighten_max_samples,
-    )
-    from ascend_fa.calibration.search import (
-        KeepingObserver,
-        SampleKeeper,
-        SearchConfig,
-        search_scales,
-    )
+    from ascend_fa.calibration.pipeline import samples_bound, tighten_max_samples
 
     n = args.num_samples or (4 if args.quick else 32)
     length = args.seq_len or (128 if args.quick else 512)
@@ -269,28 +272,71 @@ def run(args: argparse.Namespace) -> int:
     adapter.remove_fa3_placeholders(model)
     (packaged,) = load_recipe(default_recipe_path()).processors
     packaged = tighten_max_samples(packaged, bound)
+    return _Setup(
+        model, what, t_load, n, length, bs, batches, adapter, config, packaged
+    )
 
-    def attach(
-        modules: dict[tuple[str, str], nn.Module] | None,
-        make: Any,
-        cfg: Any = config,
-    ) -> dict[tuple[str, str], nn.Module]:
+
+class _Variant:
+    """One interleaved variant: the recipe it injects, how it makes each point's
+    persistent module (``make(name, branch, observer)``), whether the W8A8
+    statistics hooks ride along; its modules, total and per-batch seconds."""
+
+    def __init__(self, cfg: Any, make: Any = None, hooks: bool = False) -> None:
+        self.cfg, self.make, self.hooks = cfg, make, hooks
+        self.modules: dict[tuple[str, str], nn.Module] | None = None
+        self.seconds = 0.0
+        self.per_batch: list[float] = []
+
+    def attach(self, s: _Setup) -> None:
         """Inject, then put the persistent per-point modules in place."""
-        proc = FA3Processor(cfg)
-        proc.preprocess(model, adapter)
-        if modules is None:
-            modules = {}
-            proc.process(model)
-            for name, mod in find_fa_modules(model).items():
+        from ascend_fa.adapters.hf import set_point
+        from ascend_fa.calibration import FA_BRANCHES, FA3Processor, find_fa_modules
+
+        proc = FA3Processor(self.cfg)
+        proc.preprocess(s.model, s.adapter)
+        if self.modules is None:
+            self.modules = {}
+            proc.process(s.model)
+            for name, mod in find_fa_modules(s.model).items():
                 for b in FA_BRANCHES:
-                    modules[(name, b)] = make(name, b, mod._modules[b])
-        for name, mod in find_fa_modules(model).items():
+                    self.modules[(name, b)] = self.make(name, b, mod._modules[b])
+        for name, mod in find_fa_modules(s.model).items():
             for b in FA_BRANCHES:
-                set_point(mod, b, modules[(name, b)])
-        return modules
+                set_point(mod, b, self.modules[(name, b)])
+
+    def run_batch(self, s: _Setup, batch: torch.Tensor) -> None:
+        from ascend_fa.calibration.pipeline import run_forwards
+
+        t = time.perf_counter()
+        if self.make is not None:
+            self.attach(s)
+        hooks = _w8a8_hooks(s.model) if self.hooks else []
+        run_forwards(s.model, [{"input_ids": batch}])
+        for h in hooks:
+            h.remove()
+        if self.make is not None:
+            s.adapter.remove_fa3_placeholders(s.model)
+        self.per_batch.append(time.perf_counter() - t)
+        self.seconds += self.per_batch[-1]
+
+    def finish(self, qparams: Any) -> Any:
+        """``qparams(modules)`` timed as part of this variant; its value."""
+        t = time.perf_counter()
+        out = qparams(self.modules or {})
+        self.seconds += time.perf_counter() - t
+        return out
+
+
+def _variants(
+    args: argparse.Namespace, s: _Setup, search_cfg: Any
+) -> tuple[dict[str, _Variant], dict[str, dict[str, Any]]]:
+    """The interleaved variants (plain, ours, pooled, w8a8, seed, in the order
+    each batch runs them) and the sample keepers ours fills for the clip
+    search."""
+    from ascend_fa.calibration.search import KeepingObserver, SampleKeeper
 
     keepers: dict[str, dict[str, SampleKeeper]] = {}
-    search_cfg = SearchConfig(rows=2, tokens=128) if args.quick else SearchConfig()
 
     def make_ours(name: str, b: str, obs: nn.Module) -> nn.Module:
         if args.no_search:
@@ -300,111 +346,125 @@ def run(args: argparse.Namespace) -> int:
         return KeepingObserver(obs, keeper)
 
     def make_seed(name: str, b: str, obs: nn.Module) -> nn.Module:
-        return _SortWindowObserver(obs.num_heads, config.branch_settings(b).ratio)
+        return _SortWindowObserver(obs.num_heads, s.config.branch_settings(b).ratio)
 
-    times = {"plain": 0.0, "ours": 0.0, "seed": 0.0, "pooled": 0.0, "w8a8": 0.0}
-    per_batch: dict[str, list[float]] = {k: [] for k in times}
-    pooled_mods: dict[tuple[str, str], nn.Module] | None = None
-    ours_mods: dict[tuple[str, str], nn.Module] | None = None
-    seed_mods: dict[tuple[str, str], nn.Module] | None = None
-    w8a8_mods: dict[tuple[str, str], nn.Module] | None = None
-    with torch.no_grad():
-        model(input_ids=batches[0], use_cache=False, logits_to_keep=1)  # warm-up
-        for batch in batches:
-            t = time.perf_counter()
-            run_forwards(model, [{"input_ids": batch}])
-            per_batch["plain"].append(time.perf_counter() - t)
-            times["plain"] += per_batch["plain"][-1]
+    def keep(_n: str, _b: str, obs: nn.Module) -> nn.Module:
+        return obs
 
-            t = time.perf_counter()
-            ours_mods = attach(ours_mods, make_ours)
-            run_forwards(model, [{"input_ids": batch}])
-            adapter.remove_fa3_placeholders(model)
-            per_batch["ours"].append(time.perf_counter() - t)
-            times["ours"] += per_batch["ours"][-1]
+    variants = {
+        "plain": _Variant(None),
+        "ours": _Variant(s.config, make_ours),
+        "pooled": _Variant(s.packaged, keep),
+        "w8a8": _Variant(s.packaged, keep, hooks=True),
+        "seed": _Variant(s.config, make_seed),
+    }
+    return variants, keepers
 
-            t = time.perf_counter()
-            pooled_mods = attach(pooled_mods, lambda _n, _b, obs: obs, packaged)
-            run_forwards(model, [{"input_ids": batch}])
-            adapter.remove_fa3_placeholders(model)
-            per_batch["pooled"].append(time.perf_counter() - t)
-            times["pooled"] += per_batch["pooled"][-1]
 
-            t = time.perf_counter()
-            w8a8_mods = attach(w8a8_mods, lambda _n, _b, obs: obs, packaged)
-            hooks = _w8a8_hooks(model)
-            run_forwards(model, [{"input_ids": batch}])
-            for h in hooks:
-                h.remove()
-            adapter.remove_fa3_placeholders(model)
-            per_batch["w8a8"].append(time.perf_counter() - t)
-            times["w8a8"] += per_batch["w8a8"][-1]
+def _measure(
+    s: _Setup, variants: dict[str, _Variant]
+) -> tuple[dict[tuple[str, str], Any], bool]:
+    """Every batch through every variant in turn (after one warm-up forward),
+    then each variant's final qparams; ours' scales and whether the sort-based
+    emulation gives the identical scales."""
+    from ascend_fa.atb_ops import per_head_qparams
+    from ascend_fa.calibration import FA3Observer
+    from ascend_fa.calibration.search import KeepingObserver
 
-            t = time.perf_counter()
-            seed_mods = attach(seed_mods, make_seed)
-            run_forwards(model, [{"input_ids": batch}])
-            adapter.remove_fa3_placeholders(model)
-            per_batch["seed"].append(time.perf_counter() - t)
-            times["seed"] += per_batch["seed"][-1]
-        assert ours_mods is not None and seed_mods is not None
-        t = time.perf_counter()
-        ours_scales = {}
-        for key, mod in ours_mods.items():
+    def ours_qparams(mods: dict) -> dict:
+        scales = {}
+        for key, mod in mods.items():
             obs = mod.inner if isinstance(mod, KeepingObserver) else mod
             assert isinstance(obs, FA3Observer)
-            ours_scales[key] = obs.observer.qparams()[0]
-        times["ours"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for mod in (pooled_mods or {}).values():
-            mod.observer.qparams()
-        times["pooled"] += time.perf_counter() - t
-        t = time.perf_counter()
-        for mod in (w8a8_mods or {}).values():
-            mod.observer.qparams()
-        times["w8a8"] += time.perf_counter() - t
-        t = time.perf_counter()
-        seed_scales = {k: per_head_qparams(m.lo, m.hi)[0] for k, m in seed_mods.items()}
-        times["seed"] += time.perf_counter() - t
-    identical = all(torch.equal(ours_scales[k], seed_scales[k]) for k in ours_scales)
+            scales[key] = obs.observer.qparams()[0]
+        return scales
 
+    def observer_qparams(mods: dict) -> None:
+        for mod in mods.values():
+            mod.observer.qparams()
+
+    with torch.no_grad():
+        s.model(input_ids=s.batches[0], use_cache=False, logits_to_keep=1)  # warm-up
+        for batch in s.batches:
+            for variant in variants.values():
+                variant.run_batch(s, batch)
+        ours = variants["ours"].finish(ours_qparams)
+        variants["pooled"].finish(observer_qparams)
+        variants["w8a8"].finish(observer_qparams)
+        seed = variants["seed"].finish(
+            lambda mods: {k: per_head_qparams(m.lo, m.hi)[0] for k, m in mods.items()}
+        )
+    return ours, all(torch.equal(ours[k], seed[k]) for k in ours)
+
+
+def _clip_search_seconds(
+    s: _Setup, ours: dict, keepers: dict, search_cfg: Any
+) -> float:
+    """Seconds of the clip search from ours' scales on the kept rows."""
+    from ascend_fa.calibration import FA_BRANCHES, FA3Processor, find_fa_modules
+    from ascend_fa.calibration.search import search_scales
+
+    proc = FA3Processor(s.config)
+    proc.preprocess(s.model, s.adapter)
+    mods = find_fa_modules(s.model)
+    start = {name: {b: ours[(name, b)] for b in FA_BRANCHES} for name in mods}
+    t = time.perf_counter()
+    search_scales(mods, start, keepers, search_cfg)
+    t_search = time.perf_counter() - t
+    s.adapter.remove_fa3_placeholders(s.model)
+    return t_search
+
+
+def run(args: argparse.Namespace) -> int:
+    from ascend_fa.calibration.search import SearchConfig
+
+    s = _setup(args)
+    search_cfg = SearchConfig(rows=2, tokens=128) if args.quick else SearchConfig()
+    variants, keepers = _variants(args, s, search_cfg)
+    ours, identical = _measure(s, variants)
     t_search = None
     if not args.no_search:
-        proc = FA3Processor(config)
-        proc.preprocess(model, adapter)
-        mods = find_fa_modules(model)
-        start = {
-            name: {b: ours_scales[(name, b)] for b in FA_BRANCHES} for name in mods
-        }
-        t = time.perf_counter()
-        search_scales(mods, start, keepers, search_cfg)
-        t_search = time.perf_counter() - t
-        adapter.remove_fa3_placeholders(model)
+        t_search = _clip_search_seconds(s, ours, keepers, search_cfg)
+    linear = _linear_overhead(s.model, s.adapter, s.batches, s.packaged)
+    entries = _entries(variants, t_search, search_cfg, linear)
+    _print_report(s, entries, identical)
+    _write_records(args, s, entries, identical, t_search)
+    return 0 if identical else 1
 
-    linear = _linear_overhead(model, adapter, batches, packaged)
-    base = times["plain"]
-    # (mode, label, seconds, goal, per-batch samples)
-    entries: list[tuple[str, str, float, str | None, list[float]]] = [
-        ("plain", "plain forwards", base, None, per_batch["plain"]),
+
+#: (mode, label, seconds, goal, per-batch samples) of one table row
+_Entry = tuple[str, str, float, "str | None", list[float]]
+
+
+def _entries(
+    variants: dict[str, _Variant],
+    t_search: float | None,
+    search_cfg: Any,
+    linear: dict[str, float],
+) -> list[_Entry]:
+    v = variants
+    entries: list[_Entry] = [
+        ("plain", "plain forwards", v["plain"].seconds, None, v["plain"].per_batch),
         (
             "ours",
             "calibration, ours (recall window union, exact topk tails)",
-            times["ours"],
+            v["ours"].seconds,
             f"<= {GOAL}",
-            per_batch["ours"],
+            v["ours"].per_batch,
         ),
         (
             "packaged",
             "calibration, packaged default recipe (recall window, pooled)",
-            times["pooled"],
+            v["pooled"].seconds,
             f"<= {GOAL}",
-            per_batch["pooled"],
+            v["pooled"].per_batch,
         ),
         (
             "seed_sort",
             "calibration, seed method (sort per update, emulated)",
-            times["seed"],
+            v["seed"].seconds,
             None,
-            per_batch["seed"],
+            v["seed"].per_batch,
         ),
     ]
     if t_search is not None:
@@ -413,7 +473,7 @@ def run(args: argparse.Namespace) -> int:
                 "ours_clip_search",
                 f"ours + clip search ({search_cfg.rows}x{search_cfg.tokens} "
                 "tokens/layer)",
-                times["ours"] + t_search,
+                v["ours"].seconds + t_search,
                 None,
                 [],
             )
@@ -422,13 +482,18 @@ def run(args: argparse.Namespace) -> int:
         (
             "w8a8_observers",
             "calibration pass, packaged recipe + W8A8 statistics hooks",
-            times["w8a8"],
+            v["w8a8"].seconds,
             f"<= {LINEAR_GOAL}",
-            per_batch["w8a8"],
+            v["w8a8"].per_batch,
         )
     )
     for (mode, label), secs in zip(LINEAR_MODES, linear.values(), strict=True):
         entries.append((mode, label, secs, None, []))
+    return entries
+
+
+def _print_report(s: _Setup, entries: list[_Entry], identical: bool) -> None:
+    base = entries[0][2]
     rows = [
         [
             label,
@@ -439,8 +504,8 @@ def run(args: argparse.Namespace) -> int:
         for _mode, label, secs, goal, _samples in entries
     ]
     print(
-        f"model: {what} (load {t_load:.1f} s); {n} samples x {length} tokens, "
-        f"batch {bs}, {len(batches)} forwards per variant, "
+        f"model: {s.what} (load {s.load_s:.1f} s); {s.n} samples x {s.length} "
+        f"tokens, batch {s.batch_size}, {len(s.batches)} forwards per variant, "
         f"{torch.get_num_threads()} threads"
     )
     print_table(
@@ -457,11 +522,21 @@ def run(args: argparse.Namespace) -> int:
         if goal is not None:
             word = "ok" if verdict(secs / base, goal) == "ok" else "NOT MET"
             print(f"{mode}: {secs / base:.2f}x plain ({goal}x: {word})")
+
+
+def _write_records(
+    args: argparse.Namespace,
+    s: _Setup,
+    entries: list[_Entry],
+    identical: bool,
+    t_search: float | None,
+) -> None:
+    base = entries[0][2]
     params = {
-        "model": what,
-        "num_samples": n,
-        "seq_len": length,
-        "batch_size": bs,
+        "model": s.what,
+        "num_samples": s.n,
+        "seq_len": s.length,
+        "batch_size": s.batch_size,
     }
     records = [
         Record(
@@ -487,7 +562,6 @@ def run(args: argparse.Namespace) -> int:
         extra={
             "identical_scales": identical,
             "clip_search_seconds": t_search,
-            "load_seconds": t_load,
+            "load_seconds": s.load_s,
         },
     )
-    return 0 if identical else 1

@@ -104,14 +104,7 @@ def _mib(extra: int | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ascend_fa.calibration import (
-        PerHeadObserver,
-        recall_window,
-        recall_window_sort_ref,
-    )
-
     quick = bool(args.quick)
-    cases = QUICK_CASES if quick else FULL_CASES
     repeats = args.repeats or (3 if quick else 5)
     ratio = args.ratio
     print(
@@ -122,52 +115,11 @@ def run(args: argparse.Namespace) -> int:
     )
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
-    all_ok = True
-    for h, n in cases:
-        x = torch.randn(h, n, generator=torch.Generator().manual_seed(0))
-        t_fast = time_fn(lambda x=x: recall_window(x, ratio), repeats=repeats)
-        t_ref = time_fn(
-            lambda x=x: recall_window_sort_ref(x, ratio),
-            repeats=1 if not quick else 3,
-            warmup=0,
-        )
-        lo, hi = recall_window(x, ratio)
-        ref_lo, ref_hi = recall_window_sort_ref(x, ratio)
-        same = bool(torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi))
-        all_ok &= same
-        size = x.numel() * x.element_size()
-        del x
-        extra = extra_ref = None
-        if not args.no_memory:
-            extra = _extra_in_child(h, n, ratio, "fast")
-            extra_ref = _extra_in_child(h, n, ratio, "ref")
-        rows.append(
-            [
-                h,
-                n,
-                size // MiB,
-                t_fast * 1e3,
-                t_ref * 1e3,
-                f"{t_ref / t_fast:.1f}x",
-                "yes" if same else "NO",
-                _mib(extra),
-                _pct(extra, size),
-                _pct(extra_ref, size),
-            ]
-        )
-        results.append(
-            {
-                "H": h,
-                "N": n,
-                "input_bytes": size,
-                "recall_window_s": t_fast,
-                "sort_ref_s": t_ref,
-                "speedup": t_ref / t_fast,
-                "identical": same,
-                "extra_bytes": extra,
-                "sort_ref_extra_bytes": extra_ref,
-            }
-        )
+    for h, n in QUICK_CASES if quick else FULL_CASES:
+        result = _window_case(args, h, n, repeats)
+        rows.append(_window_row(result))
+        results.append(result)
+    all_ok = all(r["identical"] for r in results)
     print_table(
         [
             "H",
@@ -184,9 +136,74 @@ def run(args: argparse.Namespace) -> int:
         rows,
         title="recall_window vs full-sort reference (same run)",
     )
+    results += _observer_updates(QUICK_OBSERVER if quick else FULL_OBSERVER, ratio)
+    print(
+        f"goal: >= 20x faster than the sort reference, identical outputs, extra "
+        f"memory < 25% of the input; identical in every case: "
+        f"{'yes' if all_ok else 'NO'}",
+        flush=True,
+    )
+    records = [_record(r, ratio) for r in results]
+    write_results(getattr(args, "json", None), records, backend="cpu")
+    return 0 if all_ok else 1
 
-    shape = QUICK_OBSERVER if quick else FULL_OBSERVER
-    obs_rows = []
+
+def _window_case(args: argparse.Namespace, h: int, n: int, repeats: int) -> dict:
+    """recall_window against the sort reference on one ``[h, n]`` input: times,
+    identity, and (in a child process) the extra memory of each."""
+    from ascend_fa.calibration import recall_window, recall_window_sort_ref
+
+    quick, ratio = bool(args.quick), args.ratio
+    x = torch.randn(h, n, generator=torch.Generator().manual_seed(0))
+    t_fast = time_fn(lambda x=x: recall_window(x, ratio), repeats=repeats)
+    t_ref = time_fn(
+        lambda x=x: recall_window_sort_ref(x, ratio),
+        repeats=1 if not quick else 3,
+        warmup=0,
+    )
+    lo, hi = recall_window(x, ratio)
+    ref_lo, ref_hi = recall_window_sort_ref(x, ratio)
+    same = bool(torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi))
+    size = x.numel() * x.element_size()
+    del x
+    extra = extra_ref = None
+    if not args.no_memory:
+        extra = _extra_in_child(h, n, ratio, "fast")
+        extra_ref = _extra_in_child(h, n, ratio, "ref")
+    return {
+        "H": h,
+        "N": n,
+        "input_bytes": size,
+        "recall_window_s": t_fast,
+        "sort_ref_s": t_ref,
+        "speedup": t_ref / t_fast,
+        "identical": same,
+        "extra_bytes": extra,
+        "sort_ref_extra_bytes": extra_ref,
+    }
+
+
+def _window_row(r: dict) -> list[Any]:
+    size = r["input_bytes"]
+    return [
+        r["H"],
+        r["N"],
+        size // MiB,
+        r["recall_window_s"] * 1e3,
+        r["sort_ref_s"] * 1e3,
+        f"{r['speedup']:.1f}x",
+        "yes" if r["identical"] else "NO",
+        _mib(r["extra_bytes"]),
+        _pct(r["extra_bytes"], size),
+        _pct(r["sort_ref_extra_bytes"], size),
+    ]
+
+
+def _observer_updates(shape: tuple[int, ...], ratio: float) -> list[dict]:
+    """One PerHeadObserver update per dtype, timed and tabled."""
+    from ascend_fa.calibration import PerHeadObserver
+
+    obs_rows, results = [], []
     for dtype in (torch.float32, torch.bfloat16):
         xq = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
         obs = PerHeadObserver(shape[1], ratio=ratio)
@@ -208,49 +225,34 @@ def run(args: argparse.Namespace) -> int:
         obs_rows,
         title="one PerHeadObserver(recall_window, union) update",
     )
-    print(
-        f"goal: >= 20x faster than the sort reference, identical outputs, extra "
-        f"memory < 25% of the input; identical in every case: "
-        f"{'yes' if all_ok else 'NO'}",
-        flush=True,
+    return results
+
+
+def _record(r: dict, ratio: float) -> Record:
+    if "speedup" not in r:
+        return Record(
+            NAME,
+            "cpu",
+            "observer_update",
+            {"shape": r["observer_shape"], "dtype": r["dtype"]},
+            r["update_s"],
+            repeats=3,
+        )
+    speed_ok = verdict(r["speedup"], ">= 20")
+    extra_ok = r["extra_bytes"] is None or r["extra_bytes"] < 0.25 * r["input_bytes"]
+    return Record(
+        NAME,
+        "cpu",
+        "recall_window",
+        {"H": r["H"], "N": r["N"], "ratio": ratio},
+        r["recall_window_s"],
+        ratio=r["speedup"],
+        baseline="full sort",
+        goal=">= 20",
+        verdict="ok" if speed_ok == "ok" and extra_ok and r["identical"] else "miss",
+        extra={
+            "baseline_s": r["sort_ref_s"],
+            "identical": r["identical"],
+            "extra_bytes": r["extra_bytes"],
+        },
     )
-    records = []
-    for r in results:
-        if "speedup" in r:
-            speed_ok = verdict(r["speedup"], ">= 20")
-            extra_ok = (
-                r["extra_bytes"] is None or r["extra_bytes"] < 0.25 * r["input_bytes"]
-            )
-            records.append(
-                Record(
-                    NAME,
-                    "cpu",
-                    "recall_window",
-                    {"H": r["H"], "N": r["N"], "ratio": ratio},
-                    r["recall_window_s"],
-                    ratio=r["speedup"],
-                    baseline="full sort",
-                    goal=">= 20",
-                    verdict="ok"
-                    if speed_ok == "ok" and extra_ok and r["identical"]
-                    else "miss",
-                    extra={
-                        "baseline_s": r["sort_ref_s"],
-                        "identical": r["identical"],
-                        "extra_bytes": r["extra_bytes"],
-                    },
-                )
-            )
-        else:
-            records.append(
-                Record(
-                    NAME,
-                    "cpu",
-                    "observer_update",
-                    {"shape": r["observer_shape"], "dtype": r["dtype"]},
-                    r["update_s"],
-                    repeats=3,
-                )
-            )
-    write_results(getattr(args, "json", None), records, backend="cpu")
-    return 0 if all_ok else 1

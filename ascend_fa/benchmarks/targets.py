@@ -180,32 +180,50 @@ def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ascend_fa import artifact
-    from ascend_fa.calibration.data import load_calib_texts, split_calibration
-    from ascend_fa.calibration.job import default_recipe_path
-    from ascend_fa.calibration.kv import KVCalibration, recipe_settings
-    from ascend_fa.calibration.pipeline import calibrate_model
-    from ascend_fa.calibration.recipe import load_recipe
-    from ascend_fa.evaluation import (
-        EVAL_SETS,
-        load_eval_text,
-        read_artifact_spec,
-        token_windows,
-    )
-
     quick = bool(args.quick)
     n = args.num_samples or (4 if quick else 32)
     length = args.max_length or (64 if quick else 512)
     t0 = time.perf_counter()
     model, tok, name = _model(quick)
     load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    calib, plans = _calibrate(model, tok, n, length)
+    calib_s = time.perf_counter() - t0
+    specs = _written_specs(model, plans)
+    t0 = time.perf_counter()
+    results = _evaluate_sets(args, model, tok, specs, length)
+    eval_s = time.perf_counter() - t0
+    print(
+        f"model: {name} (load {load_s:.1f} s); calibration {len(calib)} samples x "
+        f"{length} tokens ({calib_s:.1f} s, FA + C8 + FP8 observers in one pass); "
+        f"eval {eval_s:.1f} s"
+    )
+    _print_table(results, specs)
+    params = {"model": name, "num_samples": n, "max_length": length}
+    write_results(
+        args.json,
+        _records(results, params, quick),
+        backend="cpu",
+        extra={"load_seconds": load_s, "calibration_seconds": calib_s},
+    )
+    return 0
+
+
+def _calibrate(
+    model: Any, tok: Any, n: int, length: int
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """FA, C8 and FP8 observers in one calibration pass: the calibration
+    samples, and each target's export arguments by table label."""
+    from ascend_fa.calibration.data import load_calib_texts, split_calibration
+    from ascend_fa.calibration.job import default_recipe_path
+    from ascend_fa.calibration.kv import KVCalibration, recipe_settings
+    from ascend_fa.calibration.pipeline import calibrate_model
+    from ascend_fa.calibration.recipe import load_recipe
+
     calib, _ = split_calibration(load_calib_texts(None), n, 4, 0)
     recipe = load_recipe(default_recipe_path())
     c8 = KVCalibration("c8", settings=recipe_settings(recipe), max_tokens=n * length)
     fp8 = KVCalibration("fp8")
-    t0 = time.perf_counter()
     result = calibrate_model(
         model,
         tok,
@@ -218,27 +236,37 @@ def run(args: argparse.Namespace) -> int:
     )
     fa_scales = result.export_scales(model)
     result.remove(model)
-    calib_s = time.perf_counter() - t0
+    plans = {
+        "mindie: FAQuant Q/K/V per head": dict(
+            scales=fa_scales, fa_quant_type="FAQuant"
+        ),
+        "vllm-ascend: C8 K/V per channel, Q float": dict(
+            target="vllm-ascend", kv_scales=c8.scales()
+        ),
+        "vllm: FP8 K/V per tensor, Q float": dict(
+            target="vllm", kv_scales=fp8.scales("tensor"), kv_strategy="tensor"
+        ),
+        "vllm: FP8 K/V per head, Q float": dict(
+            target="vllm",
+            kv_scales=fp8.scales("attn_head"),
+            kv_strategy="attn_head",
+        ),
+    }
+    return calib, plans
+
+
+def _written_specs(model: Any, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each target's artifact written (and checked against its consumer), then
+    read back as an evaluation spec."""
+    import torch
+
+    from ascend_fa import artifact
+    from ascend_fa.evaluation import read_artifact_spec
+
     config = model.config.to_dict()
     ckpt = artifact.checkpoint_tensors(model, torch.bfloat16, tied_copies=True)
     specs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        plans = {
-            "mindie: FAQuant Q/K/V per head": dict(
-                scales=fa_scales, fa_quant_type="FAQuant"
-            ),
-            "vllm-ascend: C8 K/V per channel, Q float": dict(
-                target="vllm-ascend", kv_scales=c8.scales()
-            ),
-            "vllm: FP8 K/V per tensor, Q float": dict(
-                target="vllm", kv_scales=fp8.scales("tensor"), kv_strategy="tensor"
-            ),
-            "vllm: FP8 K/V per head, Q float": dict(
-                target="vllm",
-                kv_scales=fp8.scales("attn_head"),
-                kv_strategy="attn_head",
-            ),
-        }
         for i, (label, plan) in enumerate(plans.items()):
             out = artifact.export_artifact(
                 Path(tmp) / f"a{i}",
@@ -257,8 +285,16 @@ def run(args: argparse.Namespace) -> int:
                 if not found["valid"]:
                     raise RuntimeError(f"{label}: {found['findings']}")
             specs[label] = read_artifact_spec(out)
+    return specs
+
+
+def _evaluate_sets(
+    args: argparse.Namespace, model: Any, tok: Any, specs: dict, length: int
+) -> dict[str, Any]:
+    from ascend_fa.evaluation import EVAL_SETS, load_eval_text, token_windows
+
+    quick = bool(args.quick)
     results: dict[str, Any] = {}
-    t0 = time.perf_counter()
     for data in EVAL_SETS:
         windows = token_windows(
             tok,
@@ -267,12 +303,10 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=256 if quick else None,
         )
         results[data] = _evaluate(model, windows, specs)
-    eval_s = time.perf_counter() - t0
-    print(
-        f"model: {name} (load {load_s:.1f} s); calibration {len(calib)} samples x "
-        f"{length} tokens ({calib_s:.1f} s, FA + C8 + FP8 observers in one pass); "
-        f"eval {eval_s:.1f} s"
-    )
+    return results
+
+
+def _print_table(results: dict[str, Any], specs: dict[str, Any]) -> None:
     headers = ["target / deployed quantization"]
     for data in results:
         headers += [f"{data} ppl Δ", f"{data} KL", f"{data} top-1"]
@@ -290,14 +324,21 @@ def run(args: argparse.Namespace) -> int:
             ]
         rows.append(row)
     print_table(headers, rows)
+
+
+def _records(
+    results: dict[str, Any], base_params: dict[str, Any], quick: bool
+) -> list[Record]:
+    """The float record and one per target and eval set; prints each goal's
+    verdict (not with ``--quick``)."""
     records = []
     for data, (ppl_f, tokens, found, float_s) in results.items():
         params = {
-            "model": name,
+            "model": base_params["model"],
             "eval": data,
             "tokens": tokens,
-            "num_samples": n,
-            "max_length": length,
+            "num_samples": base_params["num_samples"],
+            "max_length": base_params["max_length"],
         }
         records.append(
             Record(
@@ -312,40 +353,39 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         for label, e in found.items():
-            mode = SPEC_MODES[label]
-            ratio = e["ppl"] / ppl_f
-            goal = None if quick else GOALS.get(mode)
-            records.append(
-                Record(
-                    NAME,
-                    "cpu",
-                    mode,
-                    params,
-                    e["seconds"],
-                    ratio=ratio,
-                    baseline="float",
-                    goal=goal and goal[0],
-                    verdict=_verdict(ratio, e["kl"], goal),
-                    extra={
-                        "label": label,
-                        "ppl": e["ppl"],
-                        "ppl_delta_pct": e["ppl_delta_pct"],
-                        "kl": e["kl"],
-                        "kl_goal": goal and goal[1],
-                        "top1": e["top1"],
-                    },
-                )
-            )
-            if goal is not None:
-                word = "ok" if records[-1].verdict == "ok" else "NOT MET"
-                print(
-                    f"{mode} on {data}: ppl x{ratio:.4f} ({goal[0]}), KL "
-                    f"{e['kl']:.5f} ({goal[1]}): {word}"
-                )
-    write_results(
-        args.json,
-        records,
-        backend="cpu",
-        extra={"load_seconds": load_s, "calibration_seconds": calib_s},
+            records.append(_target_record(label, e, ppl_f, params, quick, data))
+    return records
+
+
+def _target_record(
+    label: str, e: dict, ppl_f: float, params: dict, quick: bool, data: str
+) -> Record:
+    mode = SPEC_MODES[label]
+    ratio = e["ppl"] / ppl_f
+    goal = None if quick else GOALS.get(mode)
+    record = Record(
+        NAME,
+        "cpu",
+        mode,
+        params,
+        e["seconds"],
+        ratio=ratio,
+        baseline="float",
+        goal=goal and goal[0],
+        verdict=_verdict(ratio, e["kl"], goal),
+        extra={
+            "label": label,
+            "ppl": e["ppl"],
+            "ppl_delta_pct": e["ppl_delta_pct"],
+            "kl": e["kl"],
+            "kl_goal": goal and goal[1],
+            "top1": e["top1"],
+        },
     )
-    return 0
+    if goal is not None:
+        word = "ok" if record.verdict == "ok" else "NOT MET"
+        print(
+            f"{mode} on {data}: ppl x{ratio:.4f} ({goal[0]}), KL "
+            f"{e['kl']:.5f} ({goal[1]}): {word}"
+        )
+    return record

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError
+from ascend_fa.families import is_mla
 
 __all__ = [
     "LINEAR_TYPES",
@@ -145,7 +146,7 @@ def streaming_plan(
             "shards; pass --model DIR"
         )
     src_config = source_config(model)
-    mla = src_config.get("model_type") == "deepseek_v3" if src_config else None
+    mla = is_mla(src_config.get("model_type")) if src_config else None
     target = artifact.resolve_target(target)
     linear = linear or default_linear(target, mla)
     return plan_streaming(

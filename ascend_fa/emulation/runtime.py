@@ -77,6 +77,7 @@ from ascend_fa.atb_ops import c0
 from ascend_fa.atb_ops.quant import check_fp8_rounding
 from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
 from ascend_fa.backends import Backend, get_backend
+from ascend_fa.families import attention_kind, model_types
 from ascend_fa.kvcache import CacheBatch, PagedKVCache
 from ascend_fa.metrics import token_nll
 
@@ -94,7 +95,8 @@ __all__ = [
 #: Attention implementation name registered in transformers' ``AttentionInterface``.
 PAGED_ATTENTION_IMPL = "ascend_fa_paged"
 EMULATION_MODES = ("float", "int8_kv", "faquant", "c8", "fp8_kv")
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+#: The model types whose family (:mod:`ascend_fa.families`) the emulation runs.
+SUPPORTED_MODEL_TYPES = model_types(paged_emulation=True)
 
 _RT_ATTR = "_ascend_fa_paged_runtime"
 _ROOT_ATTR = "_ascend_fa_paged_root_runtime"
@@ -166,10 +168,11 @@ class QuantizedKVRuntime:
         check_fp8_rounding("enable_paged_int8_attention", fp8_rounding)
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        kind = attention_kind(model_type)
+        if kind is None or not kind.paged_emulation:
             raise ValueError(
                 f"model type {model_type!r} is not supported by the paged emulation "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(model_types(paged_emulation=True))})"
             )
         if model.__dict__.get(_ROOT_ATTR) is not None:
             raise ValueError(

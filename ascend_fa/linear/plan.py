@@ -49,13 +49,15 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
+from ascend_fa.families import attention_kind, model_types
 
 from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
 __all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
 
-GQA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+#: The model types whose family (:mod:`ascend_fa.families`) takes the GQA plan.
+GQA_MODEL_TYPES = model_types(linear_plan="gqa")
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,10 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     return LayerPlan(i, p, groups, experts)
 
 
+#: An attention kind's ``linear_plan`` -> the builder of one layer's plan.
+_LAYER_PLANS = {"gqa": _gqa_layer, "deepseek_v3": _deepseek_layer}
+
+
 def linear_plan(model: nn.Module) -> list[LayerPlan]:
     """The quantization plan of ``model`` (one :class:`LayerPlan` per decoder layer).
 
@@ -215,15 +221,14 @@ def linear_plan(model: nn.Module) -> list[LayerPlan]:
     cfg = model.config
     model_type = getattr(cfg, "model_type", None)
     n = int(cfg.num_hidden_layers)
-    if model_type in GQA_MODEL_TYPES:
-        plans = [_gqa_layer(model, cfg, i) for i in range(n)]
-    elif model_type == "deepseek_v3":
-        plans = [_deepseek_layer(model, cfg, i) for i in range(n)]
-    else:
+    kind = attention_kind(model_type)
+    layer_plan = _LAYER_PLANS.get(kind.linear_plan) if kind is not None else None
+    if layer_plan is None:
         raise UnsupportedError(
             f"--linear: no quantized-linear plan for model_type {model_type!r} "
-            f"(supported: {', '.join((*GQA_MODEL_TYPES, 'deepseek_v3'))})"
+            f"(supported: {', '.join(model_types())})"
         )
+    plans = [layer_plan(model, cfg, i) for i in range(n)]
     for plan in plans:
         for group in plan.groups:
             for name in group.linears:

@@ -359,7 +359,9 @@ def smoothing_factors(
 
 
 def _is_mla(model: nn.Module) -> bool:
-    return getattr(model.config, "model_type", None) == "deepseek_v3"
+    from ascend_fa.families import is_mla
+
+    return is_mla(getattr(model.config, "model_type", None))
 
 
 def _check_supported(

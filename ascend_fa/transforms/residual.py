@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import attention_kind, model_types
 
 from .hadamard import has_hadamard, random_hadamard
 
@@ -70,7 +71,8 @@ __all__ = [
     "untie_head",
 ]
 
-ROTATABLE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+#: The model types whose family (:mod:`ascend_fa.families`) takes the rotation.
+ROTATABLE_MODEL_TYPES = model_types(residual_rotation=True)
 #: Attribute set on a rotated model (``model.config``) so it is never rotated twice
 #: and the artifact can record the rotation.
 _MARK = "ascend_fa_residual_rotation"
@@ -104,10 +106,11 @@ def rotation_matrix(n: int, seed: int) -> torch.Tensor:
 def _check_model(model: nn.Module) -> tuple[int, int]:
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in ROTATABLE_MODEL_TYPES:
+    kind = attention_kind(model_type)
+    if kind is None or not kind.residual_rotation:
         raise UnsupportedError(
             f"residual rotation: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(ROTATABLE_MODEL_TYPES)})"
+            f"(supported: {', '.join(model_types(residual_rotation=True))})"
         )
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), nn.ModuleList):

@@ -1,0 +1,170 @@
+"""The last stage of ``calibrate``: the report, and the artifact written (or
+merged into an msModelSlim export) atomically by :mod:`ascend_fa.artifact`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ascend_fa import parallel
+
+from .arguments import picture_files, with_carried
+from .plan import CalibrationPlan
+from .source import Source
+from .stages import AttentionPass, Heldout
+
+__all__ = ["job_report", "write_artifact"]
+
+
+def _sections(**results: Any) -> dict[str, Any]:
+    """``{name: result.to_report()}`` for the stage results that ran."""
+    return {k: r.to_report() for k, r in results.items() if r is not None}
+
+
+def job_report(
+    plan: CalibrationPlan,
+    source: Source,
+    attention: AttentionPass,
+    heldout: Heldout,
+    *,
+    transforms: Any,
+    linears: Any,
+    budget: Any,
+) -> dict[str, Any]:
+    """``calibration_report.json``: the report of :func:`.report.build_report`
+    with the run's header (model, target, what is deployed, the stages' own
+    sections, the recipe and the calibration settings)."""
+    from ascend_fa import artifact
+
+    from .report import build_report
+
+    kv_scales = attention.kv_scales
+    header = {
+        "model": source.name,
+        "model_type": source.model_type,
+        "fa_quant_type": attention.fa_quant_type,
+        "target": plan.target,
+        "deployed": attention.quant_kind,
+        "dtype": artifact.dtype_name(plan.dtype),
+        "research_artifact": plan.research,
+        "kv_cache_scales": (
+            {
+                a: {k: v.tolist() for k, v in sides.items()}
+                for a, sides in kv_scales.items()
+            }
+            if kv_scales
+            else None
+        ),
+        **_sections(error_budget=budget, transforms=transforms, linears=linears),
+        "recipe": [p.config.model_dump() for p in attention.calibrated.processors],
+        "calibration": {
+            "num_samples": len(plan.calib),
+            "max_length": plan.max_length,
+            "batch_size": plan.batch_size,
+            "seed": plan.seed,
+            "ranks": parallel.world_size(),
+            "seconds": round(attention.seconds, 3),
+        },
+    }
+    return build_report(
+        scales=attention.scales,
+        ranges=attention.calibrated.ranges,
+        per_layer=heldout.per_layer,
+        heldout=heldout.stats,
+        header=header,
+    )
+
+
+def write_artifact(
+    plan: CalibrationPlan,
+    source: Source,
+    attention: AttentionPass,
+    report: dict[str, Any],
+    *,
+    transforms: Any,
+) -> Path:
+    """Write the artifact of the run (rank 0), or merge the FA / KV tensors into
+    ``plan.merge_into``; returns where it went."""
+    from ascend_fa import artifact
+
+    extra_files = picture_files(report) if plan.picture_report else {}
+    if not plan.merge:
+        return _export(plan, source, attention, report, extra_files, transforms)
+    return Path(
+        artifact.merge_into(
+            plan.merge_into,
+            scales=attention.fa_scales,
+            fa_quant_type=attention.fa_quant_type,
+            output=plan.output,
+            report=report,
+            extra_files=extra_files,
+            overwrite=plan.overwrite,
+            force=plan.force,
+            consumer=plan.target,
+            kv_scales=attention.kv_scales,
+            model_config=source.net.config.to_dict(),
+        )
+    )
+
+
+def _export(
+    plan: CalibrationPlan,
+    source: Source,
+    attention: AttentionPass,
+    report: dict[str, Any],
+    extra_files: dict[str, bytes],
+    transforms: Any,
+) -> Path:
+    from ascend_fa import artifact
+
+    assert plan.output is not None
+    net, loaded, dtype = source.net, source.loaded, plan.dtype
+    config = _artifact_config(net)
+    tied_copies = plan.target in artifact.ASCEND_TARGETS
+    ckpt = (
+        source.streamed.checkpoint_tensors(dtype, tied_copies=tied_copies)
+        if source.streamed is not None
+        else artifact.checkpoint_tensors(net, dtype, tied_copies=tied_copies)
+    )
+    if source.kind is not None and source.kind.carried_layers and not loaded.gguf_file:
+        ckpt = with_carried(ckpt, loaded.source_dir, net.config, dtype)
+    metadata = {
+        **(transforms.description_metadata() if transforms is not None else {}),
+        **(
+            {artifact.RESEARCH_METADATA_KEY: artifact.dtype_name(dtype)}
+            if plan.research
+            else {}
+        ),
+    }
+    return Path(
+        artifact.export_artifact(
+            plan.output,
+            state_dict=ckpt.tensors,
+            tensor_types=ckpt.types,
+            scales=attention.fa_scales,
+            fa_quant_type=attention.fa_quant_type,
+            kv_scales=attention.kv_scales,
+            kv_strategy=plan.kv_strategy,
+            target=plan.target,
+            dtype=dtype,
+            config=config,
+            source_dir=None if loaded.gguf_file else loaded.source_dir,
+            tokenizer=loaded.tokenizer,
+            report=report,
+            extra_files=extra_files,
+            max_shard_size=plan.max_shard_size,
+            overwrite=plan.overwrite,
+            force=plan.force,
+            metadata=metadata or None,
+        )
+    )
+
+
+def _artifact_config(net: Any) -> dict[str, Any]:
+    """The model's config as the artifact's ``config.json``: a GGUF-loaded config
+    has no architectures (loaders dispatch on it); no local name or path."""
+    config = net.config.to_dict()
+    config["architectures"] = config.get("architectures") or [type(net).__name__]
+    config.pop("_name_or_path", None)
+    return config

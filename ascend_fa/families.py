@@ -1,0 +1,120 @@
+"""Model families as data: every supported ``config.model_type`` declared once.
+
+A family names its attention kind; the kind says what the code paths read for
+it — where Q/K/V are observed (the adapter), the FA quantization the artifact
+records, the RoPE layout, the linear plan (smoothing groups, expert layout), and
+which optional paths apply (the residual rotation, the paged emulation, KV-cache
+targets, carried checkpoint layers past the decoder stack). The adapters
+(:mod:`ascend_fa.adapters`), the linear plans (:mod:`ascend_fa.linear.plan`), the
+transforms, the emulation and ``calibrate`` read this registry; a new family whose
+structure matches an existing kind is one more entry in :data:`FAMILIES`.
+
+=============  ======  ===============================================
+model_type     kind    notes
+=============  ======  ===============================================
+``llama``      gqa     q/k/v_proj, rotate-half RoPE over the head
+``qwen2``      gqa     as llama, q/k/v biases
+``qwen3``      gqa     as llama, per-head q_norm / k_norm before RoPE
+``mistral``    gqa     as llama
+``deepseek_v3``  mla   absorbed MLA latent, decoupled RoPE; MoE; MTP layer
+=============  ======  ===============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "FAMILIES",
+    "GQA",
+    "MLA",
+    "AttentionKind",
+    "attention_kind",
+    "is_mla",
+    "model_types",
+]
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """What one attention structure contributes to each code path.
+
+    ``adapter``: the adapter class name in :mod:`ascend_fa.adapters`;
+    ``fa_quant_type``: the description's FA quantization; ``observed``: where the
+    FA points sit; ``rope``: the RoPE layout the transforms must respect;
+    ``linear_plan``: the plan builder of :mod:`ascend_fa.linear.plan` (its
+    smoothing groups and expert layout); ``residual_rotation``,
+    ``paged_emulation``, ``kv_cache_targets`` (C8 / FP8 KV-cache scales instead of
+    FA scales on vllm-ascend / vllm) and ``carried_layers`` (checkpoint layers
+    past ``num_hidden_layers`` copied into the artifact) say which paths apply.
+    """
+
+    name: str
+    adapter: str
+    fa_quant_type: str
+    observed: str
+    rope: str
+    linear_plan: str
+    residual_rotation: bool
+    paged_emulation: bool
+    kv_cache_targets: bool
+    carried_layers: bool
+
+
+GQA = AttentionKind(
+    name="gqa",
+    adapter="GQAAdapter",
+    fa_quant_type="FAQuant",
+    observed="Q after RoPE [B, H, S, D]; K, V after the cache update, before "
+    "repeat_kv [B, Hkv, T, D] (the registered attention function)",
+    rope="rotate-half pairs (i, i + D/2) over the whole head",
+    linear_plan="gqa",
+    residual_rotation=True,
+    paged_emulation=True,
+    kv_cache_targets=True,
+    carried_layers=False,
+)
+
+MLA = AttentionKind(
+    name="mla",
+    adapter="DeepseekV3Adapter",
+    fa_quant_type="FAKQuant",
+    observed="absorbed query q_nope @ W_UK [B, H, S, R]; the latent c_kv after "
+    "kv_a_layernorm as K and V [B, 1, T, R]; the RoPE parts stay float",
+    rope="decoupled RoPE part (qk_rope_head_dim), never quantized",
+    linear_plan="deepseek_v3",
+    residual_rotation=False,
+    paged_emulation=False,
+    kv_cache_targets=False,
+    carried_layers=True,
+)
+
+#: ``config.model_type`` -> its attention kind, in the order they are listed.
+FAMILIES: dict[str, AttentionKind] = {
+    "llama": GQA,
+    "qwen2": GQA,
+    "qwen3": GQA,
+    "mistral": GQA,
+    "deepseek_v3": MLA,
+}
+
+
+def attention_kind(model_type: str | None) -> AttentionKind | None:
+    """The kind of ``model_type``, or None when no family declares it."""
+    return FAMILIES.get(model_type) if model_type is not None else None
+
+
+def model_types(**wanted: object) -> tuple[str, ...]:
+    """The declared model types whose kind has every ``field=value`` of
+    ``wanted`` (e.g. ``model_types(residual_rotation=True)``), in order."""
+    return tuple(
+        t
+        for t, kind in FAMILIES.items()
+        if all(getattr(kind, k) == v for k, v in wanted.items())
+    )
+
+
+def is_mla(model_type: str | None) -> bool:
+    """Whether ``model_type`` is a multi-head latent attention family."""
+    kind = attention_kind(model_type)
+    return kind is not None and kind.name == "mla"

@@ -1,0 +1,57 @@
+"""The model-family registry (:mod:`ascend_fa.families`) is what the adapters, the
+linear plans, the transforms and the emulation read: a GQA family declared there
+(and nowhere else) is calibrated like its kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from builders import tiny_llama  # noqa: E402
+
+from ascend_fa import families  # noqa: E402
+from ascend_fa.adapters import GQAAdapter, get_adapter, supported_model_types  # noqa: E402
+from ascend_fa.emulation import SUPPORTED_MODEL_TYPES  # noqa: E402
+from ascend_fa.errors import UnsupportedError  # noqa: E402
+from ascend_fa.linear.plan import GQA_MODEL_TYPES, linear_plan  # noqa: E402
+from ascend_fa.transforms.residual import (  # noqa: E402
+    ROTATABLE_MODEL_TYPES,
+    supports_rotation,
+)
+
+
+def test_the_consumers_derive_their_model_types_from_the_registry():
+    assert supported_model_types() == sorted(families.FAMILIES)
+    gqa = tuple(t for t, k in families.FAMILIES.items() if k is families.GQA)
+    assert gqa == ("llama", "qwen2", "qwen3", "mistral")
+    assert GQA_MODEL_TYPES == ROTATABLE_MODEL_TYPES == SUPPORTED_MODEL_TYPES == gqa
+    assert families.is_mla("deepseek_v3") and not families.is_mla("llama")
+    assert not families.is_mla(None) and families.attention_kind("gpt2") is None
+    assert families.model_types(kv_cache_targets=False) == ("deepseek_v3",)
+
+
+def _renamed(model_type: str) -> torch.nn.Module:
+    model = tiny_llama()
+    model.config.model_type = model_type
+    return model
+
+
+def test_a_gqa_family_added_to_the_registry_only(monkeypatch):
+    unknown = _renamed("llama_like")
+    with pytest.raises(ValueError, match="no FA3 adapter for model type 'llama_like'"):
+        get_adapter(unknown)
+    with pytest.raises(UnsupportedError, match="no quantized-linear plan"):
+        linear_plan(unknown)
+    assert not supports_rotation(unknown)
+
+    monkeypatch.setitem(families.FAMILIES, "llama_like", families.GQA)
+    model = _renamed("llama_like")
+    assert isinstance(get_adapter(model), GQAAdapter)
+    assert "llama_like" in supported_model_types()
+    assert supports_rotation(model)
+    plans, reference = linear_plan(model), linear_plan(tiny_llama())
+    assert [[g.linears for g in p.groups] for p in plans] == [
+        [g.linears for g in p.groups] for p in reference
+    ]

@@ -56,11 +56,17 @@ def test_plan_takes_calibrates_arguments_with_the_same_defaults():
     ("kind", "target", "extra", "linear_type"),
     [
         ("llama", "mindie", {}, "W8A8"),
-        ("llama", "vllm-ascend", {}, "FLOAT"),
+        # a Llama's C8 loads from vllm-ascend 0.25.1rc1 on
+        ("llama", "vllm-ascend", {"consumer_version": "0.25.1rc1"}, "FLOAT"),
         ("llama", "vllm", {}, "FLOAT"),
         ("deepseek_v3", "vllm-ascend", {}, "W8A8_DYNAMIC"),
         ("llama", "mindie", {"linear": "none"}, "FLOAT"),
-        ("llama", "vllm-ascend", {"linear": "w8a8_dynamic"}, "W8A8_DYNAMIC"),
+        (
+            "llama",
+            "vllm-ascend",
+            {"linear": "w8a8_dynamic", "consumer_version": "main"},
+            "W8A8_DYNAMIC",
+        ),
     ],
 )
 def test_plan_resolves_the_linears_a_target_deploys(

@@ -175,15 +175,10 @@ class StreamedModel:
         ``core_model_loading.py``: ``model._weight_conversions`` = the conversions
         that were used); the artifact writer maps names back through them, so the
         written names and their order follow the same rule as for a loaded model."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
+        from ascend_fa.hf_compat import used_weight_conversions
 
-        names = self.reader.names()
-        used = [
-            c
-            for c in get_model_conversion_mapping(self.model)
-            if any(c.compiled_sources.search(n) for n in names)
-        ]
-        self.model._weight_conversions = used
+        names = list(self.reader.names())
+        self.model._weight_conversions = used_weight_conversions(self.model, names)
 
     def layer_of(self, name: str) -> int | None:
         """The decoder layer index of a model tensor or module name, or None."""

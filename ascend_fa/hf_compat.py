@@ -18,6 +18,8 @@ weight-name conversions     none (in-memory names are    ``conversion_mapping`` 
                             the checkpoint names)        ``core_model_loading``
 RoPE in the config          ``rope_theta``,              ``rope_parameters`` (dict
                             ``rope_scaling``             with ``rope_theta``)
+a forward's KV cache        ``past_key_values=`` in,     ``cache=`` in, ``.cache``
+                            ``.past_key_values`` out     out (5.25)
 ==========================  ===========================  ============================
 
 Loading takes ``dtype=`` in both (4.56 renamed ``torch_dtype``). Features only
@@ -44,12 +46,15 @@ __all__ = [
     "version_tuple",
     "support_status",
     "is_transformers5",
+    "files_tag",
     "require_transformers5",
     "attention_function",
     "has_fused_experts_layout",
     "used_weight_conversions",
     "revert_to_checkpoint_names",
     "rope_theta",
+    "output_cache",
+    "cache_kwargs",
 ]
 
 #: The range pyproject.toml's ``hf`` extra declares (keep the two equal).
@@ -97,6 +102,14 @@ def is_transformers5() -> bool:
     return version is not None and version_tuple(version) >= (5,)
 
 
+def files_tag() -> str:
+    """``"tf<major>"`` of the installed transformers: what files it writes
+    (``config.json`` RoPE keys, tokenizer files) are read back by the same major."""
+    version = transformers_version()
+    major = version_tuple(version)[:1] if version else ()
+    return f"tf{major[0]}" if major else "tf-none"
+
+
 def require_transformers5(feature: str) -> None:
     """Raise the one-line error for ``feature`` when transformers is older than 5."""
     if not is_transformers5():
@@ -113,7 +126,8 @@ def attention_function(module: Any, impl: str) -> Callable[..., Any]:
     ``"eager"`` is not in the registry in either version: each modeling file passes
     its own ``eager_attention_forward``. transformers 5 looks up through
     ``get_interface`` (which also validates the name); 4.57 indexes the registry
-    (transformers v4.57.6 ``models/llama/modeling_llama.py`` ``LlamaAttention.forward``).
+    (huggingface/transformers v4.57.6 ``models/llama/modeling_llama.py``
+    ``LlamaAttention.forward``).
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -162,3 +176,21 @@ def rope_theta(config: Any, default: float = 10000.0) -> float:
         return float(params["rope_theta"])
     theta = getattr(config, "rope_theta", None)
     return float(theta) if theta is not None else default
+
+
+def _cache_name() -> str:
+    """What a model forward calls its KV cache (keyword and output field)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a ``use_cache=True`` forward returned."""
+    return getattr(output, _cache_name())
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The keyword arguments that pass ``cache`` to a model's next forward."""
+    return {_cache_name(): cache}

@@ -70,8 +70,8 @@ def register_attention_function(
 
 def model_attention_function(module: nn.Module, impl: str) -> Callable[..., Any]:
     """The attention function implementation ``impl`` runs for ``module``
-    (``"eager"``: the module's own file's ``eager_attention_forward``; the lookup
-    differs between transformers versions, :func:`ascend_fa.hf_compat.attention_function`)."""
+    (``"eager"``: the module's own file's ``eager_attention_forward``). The lookup
+    differs between transformers versions: :func:`.hf_compat.attention_function`."""
     return attention_function(module, impl)
 
 

@@ -33,6 +33,11 @@ def run(args: argparse.Namespace) -> int:
         need = "required" if p["required"] else "optional"
         ver = p["version"] or f"missing ({p['install']})"
         print(f"  {name:<13} {ver}  [{need}]")
+    tf = info["transformers"]
+    state = "supported" if tf["supported"] else "NOT supported"
+    print(
+        f"transformers {tf['version'] or 'missing'}: {state} ({tf['supported_range']})"
+    )
     demo = info["demo_model"]
     if demo["available"]:
         cache = "on" if demo["cache_enabled"] else "off"

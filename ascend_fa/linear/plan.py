@@ -49,11 +49,18 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
+from ascend_fa.hf_compat import require_transformers5
 
 from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
-__all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
+__all__ = [
+    "GQA_MODEL_TYPES",
+    "LayerPlan",
+    "LinearGroup",
+    "linear_plan",
+    "require_fused_experts",
+]
 
 GQA_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -230,3 +237,18 @@ def linear_plan(model: nn.Module) -> list[LayerPlan]:
                 lin = _linear(model, name)
                 check_linear_shape(name, lin.in_features, lin.out_features)
     return plans
+
+
+def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
+    """Refuse, in one line, W8A8_DYNAMIC routed experts the model holds as one MLP
+    module per expert (transformers 4.57's DeepSeek-V3 layout; :mod:`.experts`
+    quantizes transformers 5's fused parameters)."""
+    unfused = [
+        f"{p.prefix}.mlp.experts"
+        for p in plans
+        if p.experts is None and _has(model, f"{p.prefix}.mlp.experts")
+    ]
+    if unfused:
+        require_transformers5(
+            f"W8A8_DYNAMIC routed experts ({unfused[0]}: one module per expert)"
+        )

@@ -1,0 +1,179 @@
+"""The supported transformers range and the version shims (``ascend_fa.hf_compat``).
+
+Runs under both environments CI tests: the default one (transformers 5) and the
+transformers 4.57 one (``-m transformers4``, ``ci/unit.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ascend_fa import hf_compat
+from ascend_fa.errors import UnsupportedError
+
+pytestmark = pytest.mark.transformers4
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4.57.6", (4, 57, 6)),
+        ("5.0.0rc1", (5, 0, 0)),
+        ("5.1.dev0", (5, 1)),
+        ("4.57.0+local", (4, 57, 0)),
+    ],
+)
+def test_version_tuple(text, expected):
+    assert hf_compat.version_tuple(text) == expected
+
+
+@pytest.mark.parametrize(
+    "version, supported",
+    [
+        ("4.56.2", False),
+        ("4.57.0", True),
+        ("4.57.6", True),
+        ("5.0.0", True),
+        ("5.25.0", True),
+        ("6.0.0", False),
+    ],
+)
+def test_support_status(version, supported):
+    ok, line = hf_compat.support_status(version)
+    assert ok is supported
+    assert version in line and hf_compat.SUPPORTED in line and "\n" not in line
+    assert hf_compat.support_status(None)[0] is (
+        hf_compat.transformers_version() is not None
+        and hf_compat.support_status(hf_compat.transformers_version())[0]
+    )
+
+
+def test_pyproject_declares_the_supported_range():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert f'"transformers{hf_compat.SUPPORTED}"' in text
+
+
+def test_installed_transformers_is_supported():
+    import transformers
+
+    assert hf_compat.transformers_version() == transformers.__version__
+    assert hf_compat.support_status()[0], hf_compat.support_status()[1]
+    major = int(transformers.__version__.split(".")[0])
+    assert hf_compat.files_tag() == f"tf{major}"
+    assert hf_compat.is_transformers5() is (major >= 5)
+
+
+def test_require_transformers5_is_one_line(monkeypatch):
+    monkeypatch.setattr(hf_compat, "transformers_version", lambda: "4.57.6")
+    with pytest.raises(UnsupportedError) as info:
+        hf_compat.require_transformers5("feature X")
+    text = str(info.value)
+    assert "\n" not in text
+    assert "feature X needs transformers 5" in text and "4.57.6" in text
+    monkeypatch.setattr(hf_compat, "transformers_version", lambda: "5.25.0")
+    hf_compat.require_transformers5("feature X")
+
+
+def test_attention_function_lookup():
+    """What a llama attention module's forward calls for ``impl``, in either major."""
+    from builders import tiny_llama
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    attn = tiny_llama().model.layers[0].self_attn
+    eager = __import__(type(attn).__module__, fromlist=["_"]).eager_attention_forward
+    assert hf_compat.attention_function(attn, "eager") is eager
+    assert hf_compat.attention_function(attn, "sdpa") is sdpa_attention_forward
+
+
+def test_checkpoint_names_round_trip_on_a_gqa_model():
+    """GQA models have no weight conversions in either major: names unchanged."""
+    from builders import tiny_llama
+
+    model = tiny_llama()
+    sd = dict(model.state_dict())
+    assert hf_compat.used_weight_conversions(model, list(sd)) == []
+    assert list(hf_compat.revert_to_checkpoint_names(model, sd)) == list(sd)
+
+
+def test_rope_theta_from_either_config_layout():
+    from builders import tiny_llama
+
+    cfg = tiny_llama(rope_theta=123456.0).config
+    assert hf_compat.rope_theta(cfg) == 123456.0
+
+
+def test_model_cache_entry_is_per_transformers_major(tmp_path, monkeypatch):
+    from ascend_fa import model_cache
+
+    monkeypatch.setenv(model_cache.CACHE_ENV, str(tmp_path))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    here = model_cache.gguf_cache_dir(gguf)
+    assert f"-{hf_compat.files_tag()}-" in here.name
+    other = "4.57.6" if hf_compat.is_transformers5() else "5.25.0"
+    monkeypatch.setattr(hf_compat, "transformers_version", lambda: other)
+    assert model_cache.gguf_cache_dir(gguf) != here
+
+
+def test_doctor_reports_the_transformers_version(capsys, monkeypatch):
+    from ascend_fa.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["transformers"]
+    assert info["version"] == hf_compat.transformers_version()
+    assert info["supported"] is True and info["supported_range"] == ">=4.57,<6"
+    assert main(["doctor"]) == 0
+    assert f"transformers {info['version']}: supported" in capsys.readouterr().out
+
+    import ascend_fa.doctor as doctor
+
+    monkeypatch.setattr(doctor, "_version", lambda dist: "4.56.2")
+    assert main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert "transformers 4.56.2: NOT supported (supported: >=4.57,<6)" in out
+    assert "cannot run; missing a supported transformers" in out
+
+
+def test_w8a8_dynamic_routed_experts(tmp_path, capsys):
+    """transformers 5 quantizes DeepSeek's fused routed experts; 4.57 holds one
+    module per expert and the CLI says, in one line, that this needs 5."""
+    from builders import byte_tokenizer, save_tiny
+
+    from ascend_fa.cli import main
+
+    src = save_tiny(tmp_path / "ds", "deepseek_v3")
+    byte_tokenizer().save_pretrained(src)
+    out = tmp_path / "art"
+    argv = [
+        "-q",
+        "calibrate",
+        str(src),
+        "--num-samples",
+        "2",
+        "--max-length",
+        "16",
+        "--heldout",
+        "0",
+        "--linear",
+        "w8a8_dynamic",
+        "--output",
+        str(out),
+    ]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    if hf_compat.is_transformers5():
+        assert rc == 0, err
+        assert any(
+            ".mlp.experts.0.gate_proj.weight" in k
+            for k in json.loads((out / "quant_model_description.json").read_text())
+        )
+    else:
+        assert rc == 2
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1, err
+        assert "routed experts" in lines[0] and "needs transformers 5" in lines[0]
+        assert not out.exists()

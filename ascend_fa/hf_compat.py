@@ -16,8 +16,14 @@ DeepSeek-V3 routed experts  one ``DeepseekV3MLP`` per    fused ``experts.gate_up
                                                          through weight conversions
 weight-name conversions     none (in-memory names are    ``conversion_mapping`` /
                             the checkpoint names)        ``core_model_loading``
-RoPE in the config          ``rope_theta``,              ``rope_parameters`` (dict
-                            ``rope_scaling``             with ``rope_theta``)
+RoPE in config.json         ``rope_theta``,              ``rope_parameters`` (a
+                            ``rope_scaling`` (it reads   dict with ``rope_theta``;
+                            no ``rope_parameters``)      GGUF cache entries are
+                                                         per major for this)
+MLA latent at ``kv_b_proj``  ``[B, S, R]``, new tokens;    ``[B, 1, T, R]``, the whole
+                            the cache holds expanded     cache (it holds latents)
+                            K/V (fake-quant with a
+                            cache needs 5)
 a forward's KV cache        ``past_key_values=`` in,     ``cache=`` in, ``.cache``
                             ``.past_key_values`` out     out (5.25)
 ==========================  ===========================  ============================
@@ -49,10 +55,8 @@ __all__ = [
     "files_tag",
     "require_transformers5",
     "attention_function",
-    "has_fused_experts_layout",
     "used_weight_conversions",
     "revert_to_checkpoint_names",
-    "rope_theta",
     "output_cache",
     "cache_kwargs",
 ]
@@ -138,12 +142,6 @@ def attention_function(module: Any, impl: str) -> Callable[..., Any]:
     return eager if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
 
 
-def has_fused_experts_layout() -> bool:
-    """Whether this transformers holds MoE routed experts as fused 3-D parameters
-    (5.x) rather than one MLP module per expert (4.57)."""
-    return is_transformers5()
-
-
 def used_weight_conversions(model: Any, names: list[str]) -> list[Any]:
     """The weight conversions transformers would apply to a checkpoint with tensor
     ``names`` when loading ``model`` (5.x ``conversion_mapping``); none in 4.57."""
@@ -166,16 +164,6 @@ def revert_to_checkpoint_names(model: Any, tensors: dict[str, Any]) -> dict[str,
     except ImportError:  # 4.57: in-memory names are the checkpoint names
         return tensors
     return dict(revert_weight_conversion(model, tensors))
-
-
-def rope_theta(config: Any, default: float = 10000.0) -> float:
-    """RoPE base of a transformers config object: ``rope_parameters["rope_theta"]``
-    (5.x) or ``rope_theta`` (4.57)."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    return float(theta) if theta is not None else default
 
 
 def _cache_name() -> str:

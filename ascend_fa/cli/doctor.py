@@ -35,9 +35,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name:<13} {ver}  [{need}]")
     tf = info["transformers"]
     state = "supported" if tf["supported"] else "NOT supported"
-    print(
-        f"transformers {tf['version'] or 'missing'}: {state} ({tf['supported_range']})"
-    )
+    version = tf["version"] or "missing"
+    print(f"transformers {version}: {state} (supported: {tf['supported_range']})")
     demo = info["demo_model"]
     if demo["available"]:
         cache = "on" if demo["cache_enabled"] else "off"

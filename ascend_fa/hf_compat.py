@@ -24,6 +24,9 @@ MLA latent at ``kv_b_proj``  ``[B, S, R]``, new tokens;    ``[B, 1, T, R]``, the
                             the cache holds expanded     cache (it holds latents)
                             K/V (fake-quant with a
                             cache needs 5)
+tied weights                ``_tied_weights_keys`` (a    ``all_tied_weights_keys``
+                            list, tied when the config   (the tied names of this
+                            ties word embeddings)        model)
 a forward's KV cache        ``past_key_values=`` in,     ``cache=`` in, ``.cache``
                             ``.past_key_values`` out     out (5.25)
 ==========================  ===========================  ============================
@@ -58,6 +61,7 @@ __all__ = [
     "used_weight_conversions",
     "revert_to_checkpoint_names",
     "output_cache",
+    "tied_weight_keys",
     "cache_kwargs",
 ]
 
@@ -182,3 +186,18 @@ def output_cache(output: Any) -> Any:
 def cache_kwargs(cache: Any) -> dict[str, Any]:
     """The keyword arguments that pass ``cache`` to a model's next forward."""
     return {_cache_name(): cache}
+
+
+def tied_weight_keys(model: Any) -> set[str]:
+    """Names of ``model``'s parameters that are tied to another one (not loaded
+    under their own name): 5.x ``all_tied_weights_keys``; 4.57 the class's
+    ``_tied_weights_keys`` when the config ties the word embeddings
+    (huggingface/transformers v4.57.6 ``modeling_utils.py`` ``_tie_or_clone_weights``
+    / ``tie_weights``)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is not None:
+        return set(tied)
+    cfg = model.config.get_text_config()
+    if not getattr(cfg, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or ())

@@ -21,6 +21,9 @@ from ascend_fa.calibration import (  # noqa: E402
 )
 from ascend_fa.hf_compat import cache_kwargs, output_cache  # noqa: E402
 
+# Also run under transformers 4.57 (ci/unit_transformers4.sh).
+pytestmark = pytest.mark.transformers4
+
 VOCAB = 101
 TYPES = ["llama", "qwen2", "qwen3", "mistral"]
 

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import FileFormatError, InputError, UnsupportedError
+from ascend_fa.hf_compat import tied_weight_keys
 
 __all__ = ["Source", "StreamedModel", "return_freed_memory"]
 
@@ -144,7 +145,7 @@ class StreamedModel:
         self.layers = layers
         self.prefix = [f"model.layers.{i}." for i in range(len(layers))]
         keys = list(model.state_dict().keys())
-        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        tied = tied_weight_keys(model)
         self.sources: dict[str, Source] = {}
         for key in keys:
             if key in tied and key not in self.reader:
@@ -464,7 +465,7 @@ class StreamedModel:
             for n, m in self.model.named_modules()
             if n and callable(getattr(m, "export_tensors", None))
         ]
-        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        tied = tied_weight_keys(self.model)
         meta = {
             k: torch.empty(t.shape, dtype=t.dtype, device="meta")
             for k, t in self.model.state_dict().items()

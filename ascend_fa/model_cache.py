@@ -1,11 +1,16 @@
 """A local cache of GGUF models converted to safetensors, so that only the first
 load pays for dequantizing the GGUF file.
 
-Layout: ``<cache root>/models/<package version>-<sha256 of the GGUF, 16 hex>/`` holds
-the model as ``save_pretrained`` writes it (``config.json``, fp32 safetensors), the
-tokenizer files, and ``ascend_fa_cache.json`` (format, package version, the GGUF's
-file name, size and sha256, and the size and sha256 of every file written). The
-cache root is ``$ASCEND_FA_CACHE_DIR``, else ``$XDG_CACHE_HOME/ascend-fa``, else
+Layout: ``<cache root>/models/<package version>-tf<transformers major>-<sha256 of
+the GGUF, 16 hex>/`` holds the model as ``save_pretrained`` writes it
+(``config.json``, fp32 safetensors), the tokenizer files, and
+``ascend_fa_cache.json`` (format, package and transformers versions, the GGUF's file
+name, size and sha256, and the size and sha256 of every file written). The
+transformers major is part of the name because each major writes config.json and
+the tokenizer files its own way (transformers 5 moves ``rope_theta`` into
+``rope_parameters``, which 4.57 does not read: an entry written by one major would
+load into the other with the wrong RoPE base). The cache root is
+``$ASCEND_FA_CACHE_DIR``, else ``$XDG_CACHE_HOME/ascend-fa``, else
 ``~/.cache/ascend-fa``; ``ASCEND_FA_NO_CACHE=1`` (or ``cache=False``) turns it off.
 
 An entry is written into a fresh temporary directory beside it and renamed into
@@ -84,9 +89,10 @@ def gguf_cache_dir(gguf_path: Path, digest: str | None = None) -> Path:
     """The cache entry directory of ``gguf_path`` (its sha256 is computed unless
     ``digest`` is given)."""
     from ascend_fa import __version__
+    from ascend_fa.hf_compat import files_tag
 
     digest = digest or _sha256(gguf_path)
-    return cache_root() / "models" / f"{__version__}-{digest[:16]}"
+    return cache_root() / "models" / f"{__version__}-{files_tag()}-{digest[:16]}"
 
 
 def valid_entry(entry: Path, digest: str) -> bool:
@@ -124,6 +130,7 @@ def _build(gguf_path: Path, entry: Path, digest: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ascend_fa import __version__
+    from ascend_fa.hf_compat import transformers_version
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
@@ -156,6 +163,7 @@ def _build(gguf_path: Path, entry: Path, digest: str) -> None:
         meta = {
             "format": _FORMAT,
             "version": __version__,
+            "transformers": transformers_version(),
             "gguf_file": gguf_path.name,
             "gguf_size": gguf_path.stat().st_size,
             "gguf_sha256": digest,

@@ -20,6 +20,10 @@ from ascend_fa.calibration import FA3FakeQuant, FA3QuantPlaceHolder  # noqa: E40
 VOCAB, H, R, NOPE, ROPE, V = 97, 4, 32, 16, 8, 16
 
 
+# Also run under transformers 4.57 (ci/unit_transformers4.sh).
+pytestmark = pytest.mark.transformers4
+
+
 def tiny_deepseek(attn: str = "sdpa", q_lora_rank: int | None = None) -> nn.Module:
     return builders.tiny_deepseek(
         attn=attn,

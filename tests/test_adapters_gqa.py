@@ -19,6 +19,10 @@ from ascend_fa.calibration import (  # noqa: E402
     FA3QuantConfig,
     FA3QuantPlaceHolder,
 )
+from ascend_fa.hf_compat import cache_kwargs, output_cache  # noqa: E402
+
+# Also run under transformers 4.57 (ci/unit_transformers4.sh).
+pytestmark = pytest.mark.transformers4
 
 VOCAB = 101
 TYPES = ["llama", "qwen2", "qwen3", "mistral"]
@@ -155,7 +159,7 @@ def test_kv_after_cache_update():
     nxt = out.logits[:, -1:].argmax(-1)
     model(
         nxt,
-        cache=out.past_key_values,
+        **cache_kwargs(output_cache(out)),
         use_cache=True,
         attention_mask=torch.ones(1, 6, dtype=torch.long),
     )

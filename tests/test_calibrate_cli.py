@@ -66,6 +66,7 @@ def calibrate(model_dir, out, *extra, target="vllm-ascend"):
     )
 
 
+@pytest.mark.transformers4
 def test_llama_end_to_end(models, tmp_path, capsys):
     out = tmp_path / "art"
     summary = tmp_path / "calibrate.json"
@@ -135,6 +136,7 @@ def test_llama_end_to_end(models, tmp_path, capsys):
     assert isinstance(model.model.layers[1].self_attn.fa_v, FA3FakeQuant)
 
 
+@pytest.mark.transformers4
 def test_deepseek_fakquant(models, tmp_path):
     from builders import msmodelslim_export
 

@@ -34,6 +34,7 @@ from ascend_fa.emulation import (
     dynamic_scales,
     enable_paged_int8_attention,
 )
+from ascend_fa.hf_compat import cache_kwargs, output_cache
 
 FLOAT_ATOL = 2e-5
 INT8_ATOL = 1e-4
@@ -75,11 +76,11 @@ def _plain_steps(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Logits of a prefill and ``steps`` teacher-forced decode steps (the decode
     tokens are fixed, so both paths see the same inputs), with HF's own cache."""
     out = model(input_ids=ids, use_cache=True)
-    logits, cache = [out.logits], out.cache
+    logits, cache = [out.logits], output_cache(out)
     for t in _decode_tokens(ids.shape[0], steps):
-        out = model(input_ids=t, cache=cache, use_cache=True)
+        out = model(input_ids=t, **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits)
-        cache = out.cache
+        cache = output_cache(out)
     return logits
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from ascend_fa.emulation import enable_paged_int8_attention
+from ascend_fa.hf_compat import cache_kwargs, output_cache
 
 VOCAB = 128
 ATOL = 1e-4
@@ -115,11 +116,11 @@ def _reference_steps(model, ids, steps, mode, scales):
     model.config._attn_implementation = "test_kv_formats_ref"
     try:
         out = model(input_ids=ids, use_cache=True)
-        logits, cache = [out.logits], out.cache
+        logits, cache = [out.logits], output_cache(out)
         for t in _decode_tokens(steps):
-            out = model(input_ids=t, cache=cache, use_cache=True)
+            out = model(input_ids=t, **cache_kwargs(cache), use_cache=True)
             logits.append(out.logits)
-            cache = out.cache
+            cache = output_cache(out)
         return logits
     finally:
         model.config._attn_implementation = old

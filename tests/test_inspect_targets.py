@@ -125,6 +125,7 @@ def edit_json(path, name, fn):
     (path / name).write_text(json.dumps(d))
 
 
+@pytest.mark.transformers4
 @pytest.mark.parametrize("target", ["mindie", "vllm-ascend", "vllm"])
 def test_good_artifacts_pass(good, capsys, target):
     assert main(["inspect", str(good[target]), "--target", target]) == 0

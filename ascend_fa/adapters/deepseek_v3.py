@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ascend_fa.hf_compat import require_transformers5
+
 from .base import ATTENTION_HANDLERS, FAContext, InjectingAdapter, current_token_mask
 
 __all__ = ["DeepseekV3Adapter", "split_kv_b", "absorbed_query"]
@@ -66,6 +68,22 @@ def absorbed_query(module: nn.Module, query: torch.Tensor) -> torch.Tensor:
     return torch.matmul(q_nope, w_uk.to(query.dtype))
 
 
+def _latent_over_keys(latent: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The captured ``kv_b_proj`` input as ``[B, 1, T, R]`` over the key positions.
+
+    transformers 5 expands the latent of the whole cache (``[B, 1, T, R]``); 4.57
+    projects the new tokens' latent (``[B, S, R]``) and caches expanded K/V, so with
+    a KV cache the latent of earlier positions no longer exists there.
+    """
+    latent = latent.reshape(key.shape[0], 1, -1, latent.shape[-1])
+    if latent.shape[2] != key.shape[2]:
+        require_transformers5("fake-quant MLA attention over a KV cache")
+        raise ValueError(
+            f"MLA latent covers {latent.shape[2]} positions, the keys {key.shape[2]}"
+        )
+    return latent
+
+
 def _mla_handler(
     module: nn.Module,
     fn: Callable[..., Any],
@@ -83,7 +101,7 @@ def _mla_handler(
         return fn(module, query, key, value, attention_mask, **kwargs)
     nope, heads = module.qk_nope_head_dim, query.shape[1]
     _, w_uv = split_kv_b(module)
-    latent = latent.to(query.dtype)
+    latent = _latent_over_keys(latent, key).to(query.dtype)
     k_pe = key[:, :1, :, nope:]  # k_pe is shared by all heads: [B, 1, T, rope]
     q_cat = torch.cat([q_out, query[..., nope:]], dim=-1)  # [B, H, S, R + rope]
     k_cat = torch.cat([latent, k_pe], dim=-1).expand(-1, heads, -1, -1)

@@ -23,7 +23,6 @@ the owner's ``remove``.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from torch import nn
 
 from ascend_fa.adapters.placeholder import FA_BRANCHES
+from ascend_fa.hf_compat import attention_function
 
 __all__ = [
     "register_attention_function",
@@ -69,15 +69,10 @@ def register_attention_function(
 
 
 def model_attention_function(module: nn.Module, impl: str) -> Callable[..., Any]:
-    """The attention function implementation ``impl`` runs for ``module``.
-
-    ``"eager"`` is not in the registry: each modeling file passes its own
-    ``eager_attention_forward`` as the default, so it is taken from the module's file.
-    """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+    """The attention function implementation ``impl`` runs for ``module``
+    (``"eager"``: the module's own file's ``eager_attention_forward``). The lookup
+    differs between transformers versions: :func:`.hf_compat.attention_function`."""
+    return attention_function(module, impl)
 
 
 def _join(root_name: str, name: str) -> str:

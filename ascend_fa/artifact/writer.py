@@ -199,11 +199,9 @@ def hf_checkpoint_names(
 ) -> dict[str, torch.Tensor]:
     """transformers' own mapping from in-memory names back to checkpoint names (what
     ``save_pretrained`` writes), when this transformers has one."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # older transformers: in-memory names are checkpoint names
-        return tensors
-    return dict(revert_weight_conversion(model, tensors))
+    from ascend_fa.hf_compat import revert_to_checkpoint_names
+
+    return revert_to_checkpoint_names(model, tensors)
 
 
 def checkpoint_tensors(

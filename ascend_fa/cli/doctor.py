@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
         need = "required" if p["required"] else "optional"
         ver = p["version"] or f"missing ({p['install']})"
         print(f"  {name:<13} {ver}  [{need}]")
+    tf = info["transformers"]
+    state = "supported" if tf["supported"] else "NOT supported"
+    version = tf["version"] or "missing"
+    print(f"transformers {version}: {state} (supported: {tf['supported_range']})")
     demo = info["demo_model"]
     if demo["available"]:
         cache = "on" if demo["cache_enabled"] else "off"

@@ -76,8 +76,10 @@ def greedy_plain(
     ``[B, S]`` -> ``[B, S + N]``, ``N <= max_new_tokens`` (stops when every row has
     produced ``eos_token_id``, finished rows repeat it — the rule of
     :meth:`QuantizedKVRuntime.generate`)."""
+    from ascend_fa.hf_compat import cache_kwargs, output_cache
+
     out = model(input_ids=ids, use_cache=True)
-    cache, tokens = out.cache, [ids]
+    cache, tokens = output_cache(out), [ids]
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for i in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(dim=-1)
@@ -87,8 +89,8 @@ def greedy_plain(
         tokens.append(nxt[:, None])
         if i + 1 == max_new_tokens or bool(done.all()):
             break
-        out = model(input_ids=nxt[:, None], cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=nxt[:, None], **cache_kwargs(cache), use_cache=True)
+        cache = output_cache(out)
     return torch.cat(tokens, dim=1)
 
 

@@ -40,7 +40,7 @@ from ascend_fa.errors import InputError, UnsupportedError
 from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .parallel import StatsSync
-from .plan import LayerPlan, LinearGroup, linear_plan
+from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
 
 __all__ = [
@@ -607,6 +607,8 @@ def quantize_linears(
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
+    if config.quant_type == "W8A8_DYNAMIC":
+        require_fused_experts(model, plans)
     done = [
         n
         for p in plans

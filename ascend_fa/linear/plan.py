@@ -50,11 +50,18 @@ from torch import nn
 
 from ascend_fa.errors import UnsupportedError
 from ascend_fa.families import attention_kind, model_types
+from ascend_fa.hf_compat import require_transformers5
 
 from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
-__all__ = ["GQA_MODEL_TYPES", "LayerPlan", "LinearGroup", "linear_plan"]
+__all__ = [
+    "GQA_MODEL_TYPES",
+    "LayerPlan",
+    "LinearGroup",
+    "linear_plan",
+    "require_fused_experts",
+]
 
 #: The model types whose family (:mod:`ascend_fa.families`) takes the GQA plan.
 GQA_MODEL_TYPES = model_types(linear_plan="gqa")
@@ -235,3 +242,18 @@ def linear_plan(model: nn.Module) -> list[LayerPlan]:
                 lin = _linear(model, name)
                 check_linear_shape(name, lin.in_features, lin.out_features)
     return plans
+
+
+def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
+    """Refuse, in one line, W8A8_DYNAMIC routed experts the model holds as one MLP
+    module per expert (transformers 4.57's DeepSeek-V3 layout; :mod:`.experts`
+    quantizes transformers 5's fused parameters)."""
+    unfused = [
+        f"{p.prefix}.mlp.experts"
+        for p in plans
+        if p.experts is None and _has(model, f"{p.prefix}.mlp.experts")
+    ]
+    if unfused:
+        require_transformers5(
+            f"W8A8_DYNAMIC routed experts ({unfused[0]}: one module per expert)"
+        )

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import FileFormatError, InputError, UnsupportedError
+from ascend_fa.hf_compat import tied_weight_keys
 
 __all__ = ["Source", "StreamedModel", "return_freed_memory"]
 
@@ -144,7 +145,7 @@ class StreamedModel:
         self.layers = layers
         self.prefix = [f"model.layers.{i}." for i in range(len(layers))]
         keys = list(model.state_dict().keys())
-        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        tied = tied_weight_keys(model)
         self.sources: dict[str, Source] = {}
         for key in keys:
             if key in tied and key not in self.reader:
@@ -175,15 +176,10 @@ class StreamedModel:
         ``core_model_loading.py``: ``model._weight_conversions`` = the conversions
         that were used); the artifact writer maps names back through them, so the
         written names and their order follow the same rule as for a loaded model."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
+        from ascend_fa.hf_compat import used_weight_conversions
 
-        names = self.reader.names()
-        used = [
-            c
-            for c in get_model_conversion_mapping(self.model)
-            if any(c.compiled_sources.search(n) for n in names)
-        ]
-        self.model._weight_conversions = used
+        names = list(self.reader.names())
+        self.model._weight_conversions = used_weight_conversions(self.model, names)
 
     def layer_of(self, name: str) -> int | None:
         """The decoder layer index of a model tensor or module name, or None."""
@@ -469,7 +465,7 @@ class StreamedModel:
             for n, m in self.model.named_modules()
             if n and callable(getattr(m, "export_tensors", None))
         ]
-        tied = set(getattr(self.model, "all_tied_weights_keys", None) or {})
+        tied = tied_weight_keys(self.model)
         meta = {
             k: torch.empty(t.shape, dtype=t.dtype, device="meta")
             for k, t in self.model.state_dict().items()

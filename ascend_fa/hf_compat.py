@@ -1,0 +1,203 @@
+"""The transformers versions ascend-fa supports, and every difference between them
+the package depends on: one place, so that no other module tests a version.
+
+Supported: transformers 4.57 (the last 4.x) and 5.x (:data:`SUPPORTED`). What differs
+between them, and how this module bridges it:
+
+==========================  ===========================  ============================
+                            transformers 4.57            transformers 5
+==========================  ===========================  ============================
+attention function lookup   ``ALL_ATTENTION_FUNCTIONS``  ``.get_interface(impl,
+                            ``[impl]``, ``eager`` from   eager)``
+                            the modeling file
+DeepSeek-V3 routed experts  one ``DeepseekV3MLP`` per    fused ``experts.gate_up_proj``
+                            expert (``nn.Linear`` under  ``[E, 2I, H]`` / ``down_proj``
+                            the checkpoint names)        parameters; checkpoint names
+                                                         through weight conversions
+weight-name conversions     none (in-memory names are    ``conversion_mapping`` /
+                            the checkpoint names)        ``core_model_loading``
+RoPE in config.json         ``rope_theta``,              ``rope_parameters`` (a
+                            ``rope_scaling`` (it reads   dict with ``rope_theta``;
+                            no ``rope_parameters``)      GGUF cache entries are
+                                                         per major for this)
+MLA latent at ``kv_b_proj``  ``[B, S, R]``, new tokens;    ``[B, 1, T, R]``, the whole
+                            the cache holds expanded     cache (it holds latents)
+                            K/V (fake-quant with a
+                            cache needs 5)
+tied weights                ``_tied_weights_keys`` (a    ``all_tied_weights_keys``
+                            list, tied when the config   (the tied names of this
+                            ties word embeddings)        model)
+a forward's KV cache        ``past_key_values=`` in,     ``cache=`` in, ``.cache``
+                            ``.past_key_values`` out     out (5.25)
+==========================  ===========================  ============================
+
+Loading takes ``dtype=`` in both (4.56 renamed ``torch_dtype``). Features only
+transformers 5 can run raise :class:`~ascend_fa.errors.UnsupportedError` through
+:func:`require_transformers5`, one line that says so.
+
+Importing this module imports neither torch nor transformers; the installed version
+is read from the distribution's metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ascend_fa.errors import UnsupportedError
+
+__all__ = [
+    "SUPPORTED",
+    "transformers_version",
+    "version_tuple",
+    "support_status",
+    "is_transformers5",
+    "files_tag",
+    "require_transformers5",
+    "attention_function",
+    "used_weight_conversions",
+    "revert_to_checkpoint_names",
+    "output_cache",
+    "tied_weight_keys",
+    "cache_kwargs",
+]
+
+#: The range pyproject.toml's ``hf`` extra declares (keep the two equal).
+SUPPORTED = ">=4.57,<6"
+_LOWEST = (4, 57)
+_BELOW = (6,)
+
+
+def transformers_version() -> str | None:
+    """The installed transformers version (None when not installed); no import."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    """The leading numeric release of ``text``: ``"4.57.6"`` -> (4, 57, 6),
+    ``"5.0.0rc1"`` -> (5, 0, 0), ``"5.1.dev0"`` -> (5, 1)."""
+    parts: list[int] = []
+    for piece in text.split("."):
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def support_status(version: str | None = None) -> tuple[bool, str]:
+    """(supported, one line) for ``version`` (default: the installed one)."""
+    version = transformers_version() if version is None else version
+    if version is None:
+        return False, f"transformers not installed (supported: {SUPPORTED})"
+    v = version_tuple(version)
+    if _LOWEST <= v < _BELOW:
+        return True, f"transformers {version} (supported: {SUPPORTED})"
+    return False, f"transformers {version} is not supported (supported: {SUPPORTED})"
+
+
+def is_transformers5() -> bool:
+    """Whether the installed transformers is 5.x or newer."""
+    version = transformers_version()
+    return version is not None and version_tuple(version) >= (5,)
+
+
+def files_tag() -> str:
+    """``"tf<major>"`` of the installed transformers: what files it writes
+    (``config.json`` RoPE keys, tokenizer files) are read back by the same major."""
+    version = transformers_version()
+    major = version_tuple(version)[:1] if version else ()
+    return f"tf{major[0]}" if major else "tf-none"
+
+
+def require_transformers5(feature: str) -> None:
+    """Raise the one-line error for ``feature`` when transformers is older than 5."""
+    if not is_transformers5():
+        raise UnsupportedError(
+            f"{feature} needs transformers 5 (installed: transformers "
+            f"{transformers_version()}); pip install 'transformers>=5,<6'"
+        )
+
+
+def attention_function(module: Any, impl: str) -> Callable[..., Any]:
+    """The attention function implementation ``impl`` runs for ``module`` (an
+    attention module of a transformers model), as its ``forward`` looks it up.
+
+    ``"eager"`` is not in the registry in either version: each modeling file passes
+    its own ``eager_attention_forward``. transformers 5 looks up through
+    ``get_interface`` (which also validates the name); 4.57 indexes the registry
+    (huggingface/transformers v4.57.6 ``models/llama/modeling_llama.py``
+    ``LlamaAttention.forward``).
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    get_interface = getattr(ALL_ATTENTION_FUNCTIONS, "get_interface", None)
+    if get_interface is not None:
+        return get_interface(impl, eager)
+    return eager if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def used_weight_conversions(model: Any, names: list[str]) -> list[Any]:
+    """The weight conversions transformers would apply to a checkpoint with tensor
+    ``names`` when loading ``model`` (5.x ``conversion_mapping``); none in 4.57."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # 4.57: in-memory names are the checkpoint names
+        return []
+    return [
+        c
+        for c in get_model_conversion_mapping(model)
+        if any(c.compiled_sources.search(n) for n in names)
+    ]
+
+
+def revert_to_checkpoint_names(model: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (in-memory names) under the names ``save_pretrained`` writes:
+    through transformers 5's ``revert_weight_conversion``; unchanged in 4.57."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # 4.57: in-memory names are the checkpoint names
+        return tensors
+    return dict(revert_weight_conversion(model, tensors))
+
+
+def _cache_name() -> str:
+    """What a model forward calls its KV cache (keyword and output field)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = CausalLMOutputWithPast.__dataclass_fields__
+    return "cache" if "cache" in fields else "past_key_values"
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a ``use_cache=True`` forward returned."""
+    return getattr(output, _cache_name())
+
+
+def cache_kwargs(cache: Any) -> dict[str, Any]:
+    """The keyword arguments that pass ``cache`` to a model's next forward."""
+    return {_cache_name(): cache}
+
+
+def tied_weight_keys(model: Any) -> set[str]:
+    """Names of ``model``'s parameters that are tied to another one (not loaded
+    under their own name): 5.x ``all_tied_weights_keys``; 4.57 the class's
+    ``_tied_weights_keys`` when the config ties the word embeddings
+    (huggingface/transformers v4.57.6 ``modeling_utils.py`` ``_tie_or_clone_weights``
+    / ``tie_weights``)."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is not None:
+        return set(tied)
+    cfg = model.config.get_text_config()
+    if not getattr(cfg, "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or ())

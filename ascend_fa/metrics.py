@@ -33,7 +33,8 @@ def token_nll(
 
     ``logits`` ``[B, S, V]``, ``ids`` ``[B, S]``; ``mask`` ``[B, S]`` (True = real
     token) keeps only pairs whose both tokens are real. The log-softmax runs in fp32
-    (float64 for float64 logits) and the sum in float64, so the result does not depend on the batch split.
+    (float64 for float64 logits) and the sum in float64, so the result does not
+    depend on the batch split.
     """
     logp = torch.log_softmax(_at_least_fp32(logits[:, :-1]), dim=-1)
     nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)

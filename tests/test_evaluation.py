@@ -424,3 +424,14 @@ def test_smollm2_search_and_dynamic():
     for r in res.values():
         assert abs(r.ppl_delta_pct) < 3.0 and r.mean_cosine > 0.99
     assert res["dynamic"].mean_cosine > res["default"].mean_cosine
+
+
+def test_dtype_refusals(capsys):
+    from ascend_fa.errors import InputError
+
+    with pytest.raises(InputError, match="--dtype must be one of fp32, fp64"):
+        ev.run_eval(compare_methods=True, dtype="bf16")
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--compare-methods", "--dtype", "fp16"])
+    assert exc.value.code == 2
+    assert "--dtype: invalid choice: 'fp16'" in capsys.readouterr().err

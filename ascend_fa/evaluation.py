@@ -66,6 +66,8 @@ __all__ = [
     "QuantSpec",
     "EvalResult",
     "DynamicFakeQuant",
+    "Float32Point",
+    "EVAL_DTYPES",
     "eval_text_path",
     "load_eval_text",
     "token_windows",
@@ -82,6 +84,10 @@ __all__ = [
 EVAL_SETS = {"prose": "eval_prose.txt", "code": "eval_code.txt"}
 
 _SPEC_NAMES = ("dynamic", "float")
+
+#: ``eval --dtype``: the model's compute dtype. fp64 gives the same table on every
+#: CPU (the FA points still quantize fp32 values, :class:`Float32Point`).
+EVAL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 def eval_text_path(name: str) -> Path:
@@ -141,6 +147,26 @@ def token_windows(
     if len(out) > 1 and out[-1].numel() < min_last:
         out.pop()
     return out
+
+
+class Float32Point(nn.Module):
+    """An FA point of a float64 model (``eval --dtype fp64``): ``inner`` sees
+    ``x.float()`` and the result comes back in ``x``'s dtype, so codes and scales
+    are formed from the fp32 values, as in an fp32 model. The float64 forward
+    keeps two CPUs' activations equal to about 1e-16, where an fp32 forward
+    differs in the last bits and flips some codes."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.branch = getattr(inner, "branch", None)
+        self.num_heads = getattr(inner, "num_heads", None)
+        self.head_dim = getattr(inner, "head_dim", None)
+
+    def forward(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.inner(x.float(), token_mask).to(x.dtype)
 
 
 class DynamicFakeQuant(nn.Module):
@@ -317,12 +343,17 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
     return KVQuantSpec(kind, kv_scales, dtype, fp8_rounding)
 
 
-def _point_for(spec: QuantSpec | None, name: str) -> Any:
+def _point_for(spec: QuantSpec | None, name: str, wide: bool = False) -> Any:
     """``make(attn, branch, point)`` for :func:`swapped_points`: a float placeholder
-    (``None`` / ``"float"``), dynamic or static fake-quant at every FA point."""
+    (``None`` / ``"float"``), dynamic or static fake-quant at every FA point
+    (behind a :class:`Float32Point` when ``wide``: a float64 model)."""
     from ascend_fa.calibration import FA3FakeQuant
 
     def make(attn: str, branch: str, point: nn.Module) -> nn.Module:
+        new = build(attn, branch, point)
+        return Float32Point(new) if wide else new
+
+    def build(attn: str, branch: str, point: nn.Module) -> nn.Module:
         heads, dim = _heads(point)
         if spec == "dynamic":
             return DynamicFakeQuant(branch, heads, dim)
@@ -369,6 +400,7 @@ def evaluate(
                 f"got {spec!r}"
             )
     device = next(model.parameters()).device
+    wide = next(model.parameters()).dtype == torch.float64
     models = dict(models or {})
     runs = {key: models.get(key, model) for key in specs}
     distinct = {id(m): m for m in (model, *runs.values())}
@@ -422,7 +454,7 @@ def evaluate(
                     group.append(order[i + len(group)])
                 i += len(group)
                 ids = torch.stack([windows[j] for j in group]).to(device)
-                with swapped_points(mods, _point_for(None, "float")):
+                with swapped_points(mods, _point_for(None, "float", wide)):
                     ref_logits = model(input_ids=ids, use_cache=False).logits
                 s, c = token_nll(ref_logits, ids)
                 nll_float += s
@@ -431,7 +463,8 @@ def evaluate(
                 if bar is not None:
                     bar.update(len(group))
                 for key, spec in specs.items():
-                    with swapped_points(points[id(runs[key])], _point_for(spec, key)):
+                    make = _point_for(spec, key, wide)
+                    with swapped_points(points[id(runs[key])], make):
                         out = runs[key](input_ids=ids, use_cache=False)
                     nll[key] += token_nll(out.logits, ids)[0]
                     # KL/top-1 over the positions that predict a token (as NLL).
@@ -559,12 +592,18 @@ def run_eval(
     max_tokens: int | None = None,
     progress: bool = True,
     fp8_rounding: str = "nearest",
+    dtype: str = "fp32",
 ) -> EvalReport:
     """The ``ascend-fa eval`` verb: the artifact's scales and/or every calibration
     method, float vs fake-quant on each data set (default: the packaged prose and
     code texts). ``fp8_rounding`` is an FP8 artifact's cache rounding
     (:func:`read_artifact_spec`). Bad artifacts and data files fail before the
-    model loads."""
+    model loads.
+
+    ``dtype`` (:data:`EVAL_DTYPES`) is the model's compute dtype for calibration
+    and evaluation; ``"fp64"`` makes the numbers the same on every CPU and thread
+    count (an artifact with quantized linears or changed weights is refused: those
+    run in fp32)."""
     from ascend_fa.calibration.data import load_calib_texts
     from ascend_fa.calibration.methods import (
         calibrate_methods,
@@ -577,6 +616,10 @@ def run_eval(
     if artifact is None and not compare_methods:
         raise InputError(
             "nothing to evaluate: pass --artifact DIR and/or --compare-methods"
+        )
+    if dtype not in EVAL_DTYPES:
+        raise InputError(
+            f"--dtype must be one of {', '.join(EVAL_DTYPES)}, got {dtype!r}"
         )
     for flag, value in (
         ("num_samples", num_samples),
@@ -596,7 +639,7 @@ def run_eval(
         name: load_eval_text(src if src is not None else name)
         for name, src in sources.items()
     }
-    loaded = load_model(model, gguf_file)
+    loaded = load_model(model, gguf_file, dtype=EVAL_DTYPES[dtype])
     net, tok = loaded.model, loaded.tokenizer
     windows = {
         name: token_windows(tok, t, window=window, max_tokens=max_tokens)
@@ -611,6 +654,11 @@ def run_eval(
             label += f" (FP8 {fp8_rounding})"
         specs[label] = artifact_scales
         quantized = artifact_model(net, artifact)
+        if quantized is not None and dtype != "fp32":
+            raise InputError(
+                f"--dtype {dtype}: artifact {artifact} has quantized linears or "
+                "weights of its own, which evaluate in fp32 only; use --dtype fp32"
+            )
         if quantized is not None:
             # The artifact's quantized linears (and its smoothed float weights) run
             # through the integer path; the float reference stays the source model.

@@ -19,6 +19,11 @@ import torch
 __all__ = ["token_nll", "token_kl", "perplexity", "OutputError"]
 
 
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or float64 when it already is."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def token_nll(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -28,9 +33,10 @@ def token_nll(
 
     ``logits`` ``[B, S, V]``, ``ids`` ``[B, S]``; ``mask`` ``[B, S]`` (True = real
     token) keeps only pairs whose both tokens are real. The log-softmax runs in fp32
-    and the sum in float64, so the result does not depend on the batch split.
+    (float64 for float64 logits) and the sum in float64, so the result does not
+    depend on the batch split.
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = torch.log_softmax(_at_least_fp32(logits[:, :-1]), dim=-1)
     nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     if mask is None:
         return float(nll.double().sum()), int(nll.numel())
@@ -47,13 +53,13 @@ def token_kl(
     """``(Σ KL(ref ‖ q), top-1 agreements, count)`` over token positions.
 
     ``ref_logits``, ``logits`` ``[B, S, V]``; ``mask`` ``[B, S]`` selects the
-    positions counted. Per position ``KL = Σ_v p_ref (log p_ref - log p_q)`` in fp32,
-    clamped at 0 and summed in float64. KL is never negative; for two equal
-    distributions the fp32 log-softmax roundings leave ±1e-8 per position, which
-    would print as a negative KL for a float row.
+    positions counted. Per position ``KL = Σ_v p_ref (log p_ref - log p_q)`` in fp32
+    (float64 for float64 logits), clamped at 0 and summed in float64. KL is never
+    negative; for two equal distributions the fp32 log-softmax roundings leave
+    ±1e-8 per position, which would print as a negative KL for a float row.
     """
-    lp_ref = torch.log_softmax(ref_logits.float(), dim=-1)
-    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp_ref = torch.log_softmax(_at_least_fp32(ref_logits), dim=-1)
+    lp = torch.log_softmax(_at_least_fp32(logits), dim=-1)
     kl = (lp_ref.exp() * (lp_ref - lp)).sum(dim=-1).clamp_min(0.0)
     same = ref_logits.argmax(dim=-1) == logits.argmax(dim=-1)
     if mask is not None:

@@ -442,3 +442,14 @@ def test_token_kl_is_never_negative_for_equal_distributions():
     ref = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
     kl, _, _ = token_kl(ref, ref.flip(-1))
     assert kl > 1.0
+
+
+def test_dtype_refusals(capsys):
+    from ascend_fa.errors import InputError
+
+    with pytest.raises(InputError, match="--dtype must be one of fp32, fp64"):
+        ev.run_eval(compare_methods=True, dtype="bf16")
+    with pytest.raises(SystemExit) as exc:
+        main(["eval", "--compare-methods", "--dtype", "fp16"])
+    assert exc.value.code == 2
+    assert "--dtype: invalid choice: 'fp16'" in capsys.readouterr().err

@@ -135,8 +135,10 @@ class _FanOut(nn.Module):
     def forward(
         self, x: torch.Tensor, token_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
+        # A float64 model (eval --dtype fp64) is observed in fp32, as it quantizes.
+        xo = x.detach().float() if x.dtype == torch.float64 else x.detach()
         for obs in self.observers.values():
-            obs.update(x.detach(), token_mask)
+            obs.update(xo, token_mask)
         if self.keeper is not None:
             self.keeper.add(x, token_mask)
         return x

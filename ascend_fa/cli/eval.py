@@ -3,7 +3,7 @@
 ::
 
     ascend-fa eval [--model PATH] [--gguf-file NAME] [--artifact DIR] [--data FILE]
-                   [--compare-methods] [--json FILE]
+                   [--compare-methods] [--dtype fp32|fp64] [--json FILE]
 
 * ``--artifact DIR``: fake-quantize Q, K, V with the artifact's static per-head
   scales (checked against the model's heads; a mismatch names the tensor).
@@ -14,6 +14,8 @@
 * ``--data FILE``: held-out text (plain text, or JSONL read with the calibration
   rules); default: the packaged prose and code sets, which are never used for
   calibration. Each data set is cut into ``--window``-token windows.
+* ``--dtype fp64``: run the model in float64 (the FA points still quantize the
+  fp32 values); the table is then the same on every CPU and thread count.
 
 The work is :func:`ascend_fa.evaluation.run_eval` (definitions of every figure in
 :mod:`ascend_fa.evaluation`).
@@ -104,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(vLLM on CUDA, default) or trunc (vLLM on CPU: toward zero)",
     )
     parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "fp64"),
+        help="compute dtype of the model: fp32 (default) or fp64, whose numbers "
+        "are the same on every CPU and thread count (about 2x slower)",
+    )
+    parser.add_argument(
         "--json",
         default=None,
         metavar="FILE",
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         window=args.window,
         max_tokens=args.max_tokens,
         fp8_rounding=args.fp8_rounding,
+        dtype=args.dtype,
     )
     title, headers, rows = report.table()
     print_table(headers, rows, title=title)

@@ -62,6 +62,7 @@ from ascend_fa.metrics import OutputError, token_kl, token_nll
 
 __all__ = [
     "EVAL_SETS",
+    "LONG_EVAL_SETS",
     "ScaleMap",
     "QuantSpec",
     "EvalResult",
@@ -80,6 +81,14 @@ __all__ = [
 
 #: Held-out texts shipped with the package (never used for calibration).
 EVAL_SETS = {"prose": "eval_prose.txt", "code": "eval_code.txt"}
+#: Long held-out texts for long-context windows: each short set followed by a
+#: continuation of the same kind (over 4096 tokens each for SmolLM2), so that a
+#: 4096-token window reaches positions a 512-token calibration never saw. Neither
+#: part is in the calibration set.
+LONG_EVAL_SETS = {
+    "prose-long": ("eval_prose.txt", "eval_prose_more.txt"),
+    "code-long": ("eval_code.txt", "eval_code_more.txt"),
+}
 
 _SPEC_NAMES = ("dynamic", "float")
 
@@ -102,6 +111,10 @@ def load_eval_text(source: str | Path) -> str:
     """
     if isinstance(source, str) and source in EVAL_SETS:
         return eval_text_path(source).read_text(encoding="utf-8")
+    if isinstance(source, str) and source in LONG_EVAL_SETS:
+        data = resources.files("ascend_fa") / "data"
+        parts = [(data / f).read_text(encoding="utf-8") for f in LONG_EVAL_SETS[source]]
+        return "\n\n".join(p.rstrip("\n") for p in parts) + "\n"
     from ascend_fa.calibration.data import MAX_CALIB_BYTES, load_calib_texts
     from ascend_fa.safe_files import read_text
 

@@ -39,11 +39,14 @@ def models(tmp_path_factory):
 
 
 def calibrate(model_dir, out, *extra, target="vllm-ascend"):
+    # Llama C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases)
+    release = ["--consumer-version", "0.25.1rc1"] if target == "vllm-ascend" else []
     return main(
         [
             "calibrate",
             "--target",
             target,
+            *release,
             "--model",
             str(model_dir),
             "--num-samples",
@@ -75,9 +78,11 @@ def test_llama_end_to_end(models, tmp_path, capsys):
     assert doc["num_samples"] == 6 and doc["target"] == "vllm-ascend"
     assert doc["heldout"]["num_samples"] == 2 and doc["seconds"]["calibrate"] > 0
     assert 0.5 < doc["summary"]["mean_attention_output_cosine"] <= 1.0 + 1e-9
-    result = inspect_artifact(out)
+    result = inspect_artifact(out, consumer_version="0.25.1rc1")
     assert result["valid"], result["findings"]
     assert result["target"] == "vllm-ascend"  # recorded in the description
+    # the default release (0.23.0.post1) loads no Llama C8 and says so
+    assert not inspect_artifact(out)["valid"]
     assert {
         "tokenizer.json",
         "tokenizer_config.json",
@@ -170,6 +175,8 @@ def test_batching_with_padding_matches_single_samples(models, tmp_path):
                     "calibrate",
                     "--target",
                     "vllm-ascend",
+                    "--consumer-version",
+                    "0.25.1rc1",
                     "--model",
                     str(models[name]),
                     "--recipe",
@@ -322,7 +329,7 @@ def test_overwrite(models, tmp_path):
     before = (out / export.WEIGHTS_NAME).read_bytes()
     assert calibrate(models["llama"], out, "--overwrite", "--seed", "3") == 0
     assert (out / export.WEIGHTS_NAME).read_bytes() != before  # new scales
-    assert inspect_artifact(out)["valid"]
+    assert inspect_artifact(out, consumer_version="0.25.1rc1")["valid"]
     shutil.rmtree(out)
 
 
@@ -342,6 +349,8 @@ def test_smollm2_end_to_end(tmp_path, capsys):
                 "calibrate",
                 "--target",
                 "vllm-ascend",
+                "--consumer-version",
+                "0.25.1rc1",  # SmolLM2 is a Llama: C8 loads from 0.25.1rc1 on
                 "--num-samples",
                 "4",
                 "--max-length",
@@ -354,7 +363,7 @@ def test_smollm2_end_to_end(tmp_path, capsys):
         )
         == 0
     )
-    result = inspect_artifact(out, target="vllm-ascend")
+    result = inspect_artifact(out, target="vllm-ascend", consumer_version="main")
     assert result["valid"], result["findings"]
     rep = json.loads((out / "calibration_report.json").read_text())
     # SmolLM2 with a per-channel int8 (C8) KV cache calibrated on 4 x 64 tokens:
@@ -407,6 +416,6 @@ def test_picture_report(models, tmp_path):
     assert width >= 300 and height >= 200
     pixels = matplotlib.image.imread(io.BytesIO(data), format="png")
     assert float(pixels[..., :3].std()) > 0.05  # drawn, not blank
-    assert inspect_artifact(out)["valid"]
+    assert inspect_artifact(out, consumer_version="0.25.1rc1")["valid"]
     assert calibrate(models["llama"], tmp_path / "b", "--no-report") == 0
     assert not (tmp_path / "b" / "calibration_report.png").exists()

@@ -22,11 +22,14 @@ def qwen2(tmp_path_factory):
 
 
 def _calibrate(model_dir, out, *extra, target="vllm-ascend", linear="none"):
+    # Qwen2 C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases)
+    release = ["--consumer-version", "0.25.1rc1"] if target == "vllm-ascend" else []
     return main(
         [
             "calibrate",
             "--target",
             target,
+            *release,
             "--model",
             str(model_dir),
             "--num-samples",

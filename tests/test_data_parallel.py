@@ -48,6 +48,10 @@ COMMON = dict(num_samples=6, max_length=24, batch_size=2, heldout=2)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: Llama C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases).
+C8_RELEASE = ["--consumer-version", "0.25.1rc1"]
+
+
 def _checkpoint(tmp: Path, model_type: str = "llama") -> tuple[Path, Path]:
     src = tmp / "src"
     cfg = GQA
@@ -221,6 +225,8 @@ def test_bad_setup_is_one_line(monkeypatch, tmp_path, capsys):
         "none",
         "--target",
         "vllm-ascend",
+        "--consumer-version",
+        "0.25.1rc1",  # Llama C8 loads from 0.25.1rc1 on
     ]
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
@@ -307,8 +313,12 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
         (["--linear", "w8a8"], 2, 6),
         (["--linear", "w8a8", "--streaming"], 2, 6),
         (["--linear", "w8a8", "--streaming", "--linear-fallback", "0"], 3, 4),
-        (["--linear", "none", "--target", "vllm-ascend"], 2, 6),
-        (["--linear", "none", "--target", "vllm-ascend", "--streaming"], 2, 6),
+        (["--linear", "none", "--target", "vllm-ascend", *C8_RELEASE], 2, 6),
+        (
+            ["--linear", "none", "--target", "vllm-ascend", *C8_RELEASE, "--streaming"],
+            2,
+            6,
+        ),
         (["--linear", "none", "--target", "vllm", "--kv-strategy", "attn_head"], 2, 6),
     ],
     ids=[

@@ -144,6 +144,7 @@ def test_streaming_gqa_tied_equals_whole_model(tmp_path):
     spill directory is gone afterwards."""
     src = _checkpoint(tmp_path / "src", "llama")
     kw = dict(target="vllm-ascend", linear="none", max_shard_size="40KB")
+    kw["consumer_version"] = "0.25.1rc1"  # Llama C8 loads from 0.25.1rc1 on
     whole = _run(src, tmp_path / "whole", tmp_path, **kw)
     streamed = _run(src, tmp_path / "stream", tmp_path, streaming=True, **kw)
     _assert_same_artifact(whole.output, streamed.output)
@@ -211,6 +212,8 @@ def _cli(src: Path, out: Path, tmp_path: Path, *extra: str) -> list[str]:
         "0",
         "--target",
         "vllm-ascend",
+        "--consumer-version",
+        "0.25.1rc1",  # Llama C8 loads from 0.25.1rc1 on
         "--linear",
         "none",
         "--output",
@@ -283,7 +286,7 @@ def test_streaming_refusals(tmp_path, capsys):
     out = tmp_path / "out"
     cases = [
         (
-            ["--linear", "w8a8", "--target", "mindie"]
+            ["--linear", "w8a8", "--target", "mindie", "--consumer-version", "3.0.0"]
             + ["--linear-fallback-criterion", "kl"],
             "--linear-fallback-criterion kl",
         ),

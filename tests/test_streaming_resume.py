@@ -34,7 +34,13 @@ from ascend_fa.calibration.resume import (
 )
 from ascend_fa.streaming import open_streamed
 
-KW = dict(target="vllm-ascend", linear="none", max_shard_size="40KB")
+#: Llama C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases).
+KW = dict(
+    target="vllm-ascend",
+    consumer_version="0.25.1rc1",
+    linear="none",
+    max_shard_size="40KB",
+)
 
 
 def _work(out: Path) -> Path:
@@ -232,6 +238,8 @@ def _cli(src: Path, out: Path, data: Path) -> list[str]:
         "2",
         "--target",
         "vllm-ascend",
+        "--consumer-version",
+        "0.25.1rc1",
         "--linear",
         "none",
         "--max-shard-size",

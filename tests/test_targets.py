@@ -36,6 +36,9 @@ from ascend_fa.calibration.pipeline import calibrate_model  # noqa: E402
 from ascend_fa.cli import main  # noqa: E402
 
 BF16 = torch.bfloat16
+#: Llama C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases);
+#: the default release (0.23.0.post1) refuses it.
+LLAMA_RELEASE = {"vllm-ascend": ("--consumer-version", "0.25.1rc1")}
 MINMAX = 'spec:\n  process:\n    - type: "fa3_quant"\n      method: minmax\n'
 TEXTS = [
     "The quick brown fox jumps over the lazy dog near the river bank.",
@@ -156,8 +159,14 @@ def _pair_norms(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_c8_vllm_ascend(models, data, tmp_path, name):
     out = tmp_path / "c8"
-    assert run_calibrate(models[name], out, data, "--target", "vllm-ascend") == 0
-    assert main(["inspect", str(out), "--target", "vllm-ascend"]) == 0
+    # Qwen3 C8 loads in the default release (0.23.0.post1), Llama from 0.25.1rc1
+    args = (
+        "--target",
+        "vllm-ascend",
+        *(() if name == "qwen3" else LLAMA_RELEASE["vllm-ascend"]),
+    )
+    assert run_calibrate(models[name], out, data, *args) == 0
+    assert main(["inspect", str(out), *args]) == 0
     desc = json.loads((out / DESCRIPTION_FILE).read_text())
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["torch_dtype"] == "bfloat16"
@@ -351,11 +360,19 @@ def test_merge_into_export(models, data, tmp_path, layout, target):
         p.name: p.read_bytes() for p in export.iterdir() if p.suffix == ".safetensors"
     }
     out = tmp_path / "merged"
+    release = LLAMA_RELEASE.get(target, ())
     rc = run_calibrate(
-        models["llama"], out, data, "--target", target, "--merge-into", str(export)
+        models["llama"],
+        out,
+        data,
+        "--target",
+        target,
+        *release,
+        "--merge-into",
+        str(export),
     )
     assert rc == 0
-    assert main(["inspect", str(out), "--target", target]) == 0
+    assert main(["inspect", str(out), "--target", target, *release]) == 0
     for name, blob in before.items():  # the export's linears kept byte for byte
         assert (out / name).read_bytes() == blob
     new = json.loads((out / DESCRIPTION_FILE).read_text())
@@ -508,7 +525,14 @@ def test_fp32_research_artifact(models, data, tmp_path, capsys, target, extra):
     artifact says it is research: the description's metadata, the report, one
     summary line, and ``inspect --target`` refuses it (exit 1) with the reason."""
     out = tmp_path / "r"
-    args = ("--target", target, "--dtype", "fp32", *extra)
+    args = (
+        "--target",
+        target,
+        *LLAMA_RELEASE.get(target, ()),
+        "--dtype",
+        "fp32",
+        *extra,
+    )
     assert run_calibrate(models["llama"], out, data, *args) == 0
     printed = capsys.readouterr().out
     assert "float32 weights: a research artifact" in printed, printed

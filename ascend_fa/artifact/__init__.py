@@ -47,6 +47,7 @@ from .lazy import LazyTensors, TensorSpec, write_safetensors
 from .merge import check_merge_export
 from .output import atomic_output_dir, check_output_dir, is_own_artifact
 from .reader import read_fa_scales, read_kv_scales, read_tensor_index, weight_files
+from .releases import DEFAULT_RELEASE, RELEASES, check_release, resolve_release
 from .targets import (
     KVScaleMap,
     check_target,
@@ -131,6 +132,10 @@ __all__ = [
     "fa_tensor_name",
     "fa_tensors",
     "inspect_artifact",
+    "DEFAULT_RELEASE",
+    "RELEASES",
+    "check_release",
+    "resolve_release",
     "is_meta_key",
     "merge_into",
     "natural_key",

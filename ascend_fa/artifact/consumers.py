@@ -4,6 +4,11 @@
 and the consumer (with the source the rule comes from; full citations in
 :mod:`.targets`). ``ascend-fa inspect --target T`` and the tests use these checks.
 
+These rules were read at one commit of each consumer: vllm-ascend main @182b75ea and
+MindIE 3.0.0 @8b4871ad, the ``main`` and ``3.0.0`` rows of :mod:`.releases`. What an
+older release cannot load (C8 for some architectures, FAKQuant in 0.13.x) is that
+table's, applied beside these by ``inspect --consumer-version``.
+
 ==============  ==========================================================
 consumer        rules checked here
 ==============  ==========================================================

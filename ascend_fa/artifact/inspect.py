@@ -25,7 +25,9 @@ Checks, each failure one finding:
 * index entries are plain file names inside the artifact (nothing outside it is
   read);
 * with a target (``target=`` or the one recorded in the artifact), that
-  consumer's rules (:mod:`.consumers`).
+  consumer's rules (:mod:`.consumers`), and whether the consumer release
+  (``consumer_version=``, default the target's newest stable release) loads the
+  artifact's scheme for its architecture (:mod:`.releases`).
 
 The result says ``valid`` and lists the findings (strict-JSON values: no NaN); the
 CLI exits 1 when invalid.
@@ -52,6 +54,7 @@ from .format import (
     is_meta_key,
 )
 from .reader import read_tensor_index, weight_files
+from .releases import architecture, release_findings, release_scheme, resolve_release
 
 __all__ = ["inspect_artifact", "natural_key", "scale_findings"]
 
@@ -202,8 +205,45 @@ def _read_json(path: Path, findings: list[str]) -> Any:
     return None
 
 
+def _fa_type_findings(
+    fa_type: Any, has_fa: bool, layers: list[dict[str, Any]], config: Any
+) -> list[str]:
+    """What is wrong with ``fa_quant_type``: missing beside FA tensors, unknown,
+    without FA tensors, FAKQuant with more than one latent head, or disagreeing
+    with ``config.json``'s ``quantization_config``."""
+    findings: list[str] = []
+    if has_fa and fa_type is None:
+        findings.append(
+            "fa_quant_type: missing from the description although FA "
+            "tensors are present"
+        )
+    elif fa_type is not None and fa_type not in FA_QUANT_TYPES:
+        findings.append(f"fa_quant_type: {fa_type!r}, expected 'FAQuant' or 'FAKQuant'")
+    elif fa_type is not None and not has_fa:
+        findings.append(f"fa_quant_type: {fa_type!r} but no FA tensors")
+    if fa_type == "FAKQuant":
+        for row in layers:
+            if row.get("kv_heads") not in (None, 1):
+                findings.append(
+                    f"{row['module']}: FAKQuant expects one latent head "
+                    f"for fa_k/fa_v, found {row['kv_heads']}"
+                )
+    if config is not None and isinstance(config.get("quantization_config"), dict):
+        cfg_type = config["quantization_config"].get("fa_quant_type")
+        if cfg_type is not None and cfg_type != fa_type:
+            findings.append(
+                f"config.json: quantization_config.fa_quant_type "
+                f"{cfg_type!r} != description {fa_type!r}"
+            )
+    return findings
+
+
 def inspect_artifact(
-    directory: str | Path, target: str | None = None
+    directory: str | Path,
+    target: str | None = None,
+    consumer_version: str | None = None,
+    *,
+    releases: bool = True,
 ) -> dict[str, Any]:
     """Validate ``directory``; returns ``{"valid", "target", "findings", "summary",
     "layers"}`` (``layers``: per FA module the heads and scale range per branch).
@@ -211,6 +251,11 @@ def inspect_artifact(
     ``target`` (one of :data:`~.format.TARGETS`) applies that consumer's rules;
     None applies the target the artifact records (:func:`.consumers.
     recorded_target`), or only the generic checks when it records none.
+    ``consumer_version`` names the target's release (:func:`.releases.
+    resolve_release`; None: its newest stable release); a version the target's
+    table does not hold raises :class:`~ascend_fa.errors.InputError`.
+    ``releases=False`` applies the consumer's rules without the release table
+    (for a caller that judged the release itself).
     """
     from safetensors import safe_open
 
@@ -221,12 +266,15 @@ def inspect_artifact(
             f"--target {target!r} is not a known target; choose one of "
             f"{', '.join(TARGETS)}"
         )
+    if target is not None:  # a bad version is refused before anything is read
+        resolve_release(target, consumer_version)
     directory = Path(directory)
     findings: list[str] = []
     result: dict[str, Any] = {
         "dir": str(directory),
         "valid": False,
         "target": target,
+        "consumer_version": None,
         "findings": findings,
         "summary": {},
         "layers": [],
@@ -253,6 +301,14 @@ def inspect_artifact(
     if target is None:
         target = recorded_target(desc, config)
         result["target"] = target
+    if target is None and consumer_version is not None:
+        raise InputError(
+            f"--consumer-version {consumer_version!r} needs a target: pass --target "
+            "(the artifact records none)"
+        )
+    release = resolve_release(target, consumer_version) if target else None
+    release = release if releases else None
+    result["consumer_version"] = release.name if release else None
     if not has_desc and target != "vllm" and desc_path.is_file() is False:
         findings.append(f"{DESCRIPTION_FILE}: missing")
     for index in directory.glob("*.index.json"):
@@ -308,35 +364,16 @@ def inspect_artifact(
         for attn in sorted(fa_parts, key=natural_key)
     ]
     fa_type = desc.get("fa_quant_type")
-    if fa_parts and fa_type is None:
-        findings.append(
-            "fa_quant_type: missing from the description although FA "
-            "tensors are present"
-        )
-    elif fa_type is not None and fa_type not in FA_QUANT_TYPES:
-        findings.append(f"fa_quant_type: {fa_type!r}, expected 'FAQuant' or 'FAKQuant'")
-    elif fa_type is not None and not fa_parts:
-        findings.append(f"fa_quant_type: {fa_type!r} but no FA tensors")
-    if fa_type == "FAKQuant":
-        for row in layers:
-            if row.get("kv_heads") not in (None, 1):
-                findings.append(
-                    f"{row['module']}: FAKQuant expects one latent head "
-                    f"for fa_k/fa_v, found {row['kv_heads']}"
-                )
-    if config is not None and isinstance(config.get("quantization_config"), dict):
-        cfg_type = config["quantization_config"].get("fa_quant_type")
-        if cfg_type is not None and cfg_type != fa_type:
-            findings.append(
-                f"config.json: quantization_config.fa_quant_type "
-                f"{cfg_type!r} != description {fa_type!r}"
-            )
+    findings.extend(_fa_type_findings(fa_type, bool(fa_parts), layers, config))
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))
+        scheme = release_scheme(target, view.mla)
+        findings.extend(release_findings(target, release, scheme, architecture(config)))
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
         "target": target,
+        "consumer_version": result["consumer_version"],
         "model_quant_type": desc.get("model_quant_type"),
         "fa_quant_type": fa_type,
         "kv_cache_type": desc.get("kv_cache_type"),

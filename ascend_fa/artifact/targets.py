@@ -15,7 +15,9 @@ ascend``      kv_cache_{scale,offset}`` [Hkv*D]; ``kv_quant_type`` ``"C8"`` or
                                                  ``config.json``; HF weight names
 ============  =================================  ==================================
 
-Every rule cites the consumer source it comes from (repository, path, commit):
+Every rule cites the consumer source it comes from (repository, path, commit); the
+commits are the vllm-ascend ``main`` and MindIE ``3.0.0`` rows of :mod:`.releases`,
+whose table says what other releases load:
 
 * vllm-project/vllm-ascend @182b75ea ``vllm_ascend/quantization/methods/kv_c8.py``
   registers ``("FAKQuant", "attention")`` as the only FA attention scheme

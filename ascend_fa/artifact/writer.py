@@ -612,7 +612,9 @@ def merge_into(
         if consumer is not None:
             from .inspect import inspect_artifact
 
-            result = inspect_artifact(tmp, target=consumer)
+            # the consumer's rules only: calibrate judged the release (its
+            # --consumer-version) before any work
+            result = inspect_artifact(tmp, target=consumer, releases=False)
             if not result["valid"]:
                 raise UnsupportedError(
                     f"the merged artifact would not load in {consumer}: "

@@ -156,6 +156,7 @@ def _calibrate(src: Path, out: Path, streaming: bool) -> dict[str, float]:
         "batch_size": 4,
         "heldout": 0,
         "target": "vllm-ascend",
+        "consumer_version": "0.25.1rc1",  # a Llama: C8 loads from 0.25.1rc1 on
         "linear": "none",
         "picture_report": False,
         "progress": False,

@@ -250,7 +250,10 @@ def run(args: argparse.Namespace) -> int:
             )
             target = plan.get("target")
             if target is not None:
-                found = artifact.inspect_artifact(out, target=target)
+                # the demo model is a Llama: its C8 loads from vllm-ascend
+                # 0.25.1rc1 on (artifact.releases)
+                version = "0.25.1rc1" if target == "vllm-ascend" else None
+                found = artifact.inspect_artifact(out, target, version)
                 if not found["valid"]:
                     raise RuntimeError(f"{label}: {found['findings']}")
             specs[label] = read_artifact_spec(out)

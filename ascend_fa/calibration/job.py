@@ -199,6 +199,7 @@ def calibrate(
     cache: bool = True,
     progress: bool = True,
     target: str | None = None,
+    consumer_version: str | None = None,
     dtype: str | None = None,
     kv_strategy: str = "tensor",
     linear: str | None = None,
@@ -249,7 +250,7 @@ def calibrate(
     )
     artifact.parse_size(max_shard_size)
     check_locations(model, output, merge_into, overwrite=overwrite, force=force)
-    target = artifact.resolve_target(target)
+    target = artifact.check_release(target, consumer_version, model, gguf_file)
     art_dtype = artifact.resolve_dtype(dtype, research=True)
     research = artifact.is_research_dtype(art_dtype)
     if kv_strategy not in artifact.KV_STRATEGIES:

@@ -99,6 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(compressed-tensors FP8 KV-cache scales); default mindie",
     )
     parser.add_argument(
+        "--consumer-version",
+        default=None,
+        metavar="V",
+        help="the release of the target that will load the artifact: vllm-ascend "
+        "0.13.0, 0.18.0, 0.23.0.post1, 0.25.1rc1 or main; mindie 3.0.0 (default: "
+        "the newest stable, vllm-ascend 0.23.0.post1 / mindie 3.0.0); refused "
+        "before any work when that release cannot load the model's scheme",
+    )
+    parser.add_argument(
         "--dtype",
         default="bf16",
         help="weight dtype of the artifact: bf16 (default) or fp16; fp32 writes a "
@@ -246,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
         heldout=args.heldout,
         clip_search=args.clip_search,
         target=args.target,
+        consumer_version=args.consumer_version,
         dtype=args.dtype,
         kv_strategy=args.kv_strategy,
         picture_report=not args.no_report,

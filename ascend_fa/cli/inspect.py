@@ -1,7 +1,9 @@
 """``ascend-fa inspect DIR``: validate an FA artifact (ours or msModelSlim's).
 
 The checks are :func:`ascend_fa.artifact.inspect_artifact`'s. Exit status 0 when
-valid, 1 with the list of findings otherwise.
+valid, 1 with the list of findings otherwise (a release of the target that cannot
+load the artifact is a finding naming the release, the rule and its citation), 2
+for a bad argument (an unknown ``--target`` or ``--consumer-version``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="judge as this consumer does: mindie, vllm-ascend or vllm (default: "
         "the target recorded in the artifact)",
     )
+    parser.add_argument(
+        "--consumer-version",
+        default=None,
+        metavar="V",
+        help="judge for this release of the target: vllm-ascend 0.13.0, 0.18.0, "
+        "0.23.0.post1, 0.25.1rc1 or main; mindie 3.0.0 (default: the target's "
+        "newest stable release, vllm-ascend 0.23.0.post1, mindie 3.0.0; "
+        "--target vllm has no release table)",
+    )
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -34,7 +45,8 @@ def _print(result: dict[str, Any]) -> None:
     print(f"artifact {result['dir']}")
     if s:
         print(
-            f"  target {s['target'] or '-'}  model_quant_type {s['model_quant_type']}"
+            f"  target {s['target'] or '-'} {s.get('consumer_version') or ''}"
+            f"  model_quant_type {s['model_quant_type']}"
             f"  fa_quant_type {s['fa_quant_type']}  kv_cache_type "
             f"{s['kv_cache_type']}  version {s['version']}"
         )
@@ -71,7 +83,9 @@ def _print(result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.artifact import inspect_artifact
 
-    result = inspect_artifact(args.dir, target=args.target)
+    result = inspect_artifact(
+        args.dir, target=args.target, consumer_version=args.consumer_version
+    )
     if args.json:
         print(json.dumps(result, indent=2, allow_nan=False))
     else:

@@ -1,0 +1,570 @@
+"""What each consumer release loads, as data.
+
+:mod:`.consumers` replays one commit of each consumer's parser (vllm-ascend main,
+MindIE 3.0.0). Users run releases, and releases differ: a table here says, per
+release, which attention/KV scheme loads for which architecture, and every rule
+cites the repository, path and commit (or tag) it was read from.
+
+=================  ====================================  ===========================
+release            loads                                 refused (what happens there)
+=================  ====================================  ===========================
+vllm-ascend        nothing quantized in attention        C8 for every GQA model
+0.13.x (0.13.0)                                          (KeyError in vLLM's loader);
+                                                         FAKQuant (tensors dropped,
+                                                         latent cache stays bf16,
+                                                         silently)
+vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral /
+0.18.x (0.18.0)    FAKQuant                              Qwen2 (one scale kept for
+                                                         every channel, then a
+                                                         RuntimeError) and others
+vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
+0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
+(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``)
+vllm-ascend        C8 for every architecture vLLM        nothing we write
+0.25.1rc1, main    loads through ``AutoWeightsLoader``
+                   (``get_cache_scale_mapper``);
+                   FAKQuant
+MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
+                   qwen3), FAKQuant (deepseek_v2/v3)     (rule of :mod:`.consumers`)
+=================  ====================================  ===========================
+
+The default release of a target is its newest stable one (:data:`DEFAULT_RELEASE`):
+vllm-ascend 0.23.0.post1, MindIE 3.0.0. The ``vllm`` target has no release table
+(its rules are vLLM's compressed-tensors KV-cache scheme, :mod:`.consumers`).
+
+Versions are named as the project publishes them (``0.23.0.post1``, ``0.25.1rc1``,
+``main``); a leading ``v``, letter case and the release line (``0.23``,
+``0.23.x``, and ``0.23.0`` for the 0.23 line, whose C8 files are identical in
+0.23.0 and 0.23.0.post1) are accepted. Anything else is refused in one line: a
+release not in the table has not been read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ascend_fa.errors import InputError, UnsupportedError
+
+__all__ = [
+    "Citation",
+    "Release",
+    "Rule",
+    "RELEASES",
+    "RULES",
+    "DEFAULT_RELEASE",
+    "DEFAULT_MODEL_CONFIG",
+    "architecture",
+    "resolve_release",
+    "release_scheme",
+    "rule_for",
+    "first_loading",
+    "release_findings",
+    "check_release",
+]
+
+VLLM_ASCEND = "vllm-project/vllm-ascend"
+VLLM = "vllm-project/vllm"
+MINDIE = "Ascend/MindIE-LLM"
+
+
+@dataclass(frozen=True)
+class Citation:
+    """Where a rule was read: repository, path, commit or tag, and the place."""
+
+    repo: str
+    path: str
+    ref: str
+    where: str = ""
+
+    def __str__(self) -> str:
+        ref = self.ref[:10] if re.fullmatch(r"[0-9a-f]{40}", self.ref) else self.ref
+        at = f" {self.where}" if self.where else ""
+        return f"{self.repo}:{self.path}@{ref}{at}"
+
+
+@dataclass(frozen=True)
+class Release:
+    """One consumer release: its canonical name, the line it stands for, the
+    commit it was read at, the vLLM release it loads through, and whether it is a
+    stable (final) release."""
+
+    target: str
+    name: str
+    line: str
+    commit: str
+    loader: str
+    stable: bool
+    aliases: tuple[str, ...] = ()
+
+
+#: vllm-ascend commits: tags of the git history, and for 0.23.0.post1 (which has
+#: no tag) the commit its PyPI sdist records (``vllm_ascend/_version.py``
+#: ``commit_id = 'g1cdb8c4db'``); the files the C8 rules read are byte-identical
+#: in that sdist and at tag v0.23.0 (5cb98caaad).
+_V013 = "6281c1207a7a499e9f23a42b3a1e7027469f2b10"  # tag v0.13.0
+_V018 = "e18643f8a4d5bd9990727654318ad069ea0b56e2"  # tag v0.18.0
+_V023 = "5cb98caaadeff42b5b62b996e34bb2aaa29d20fd"  # tag v0.23.0
+_V0251 = "9bf964cb4b87c8cd0d6852c41a55b3c29711fa95"  # tag v0.25.1rc1
+# main, 2026-08-22: the commit the rules of .consumers and the npu backend's
+# vllm-ascend citations (backends/npu_capabilities.VLLM_ASCEND_COMMIT) were read at
+_MAIN = "182b75ea84ff13ece27b57391331ef8935410aea"
+_PR12463 = "86923ba582b9fffb35d9ab9501f52267d0e97874"  # PR #12463 on main
+_MINDIE300 = "8b4871ad31f592aa863f6255760e4934484d78e4"  # tag v3.0.0
+
+RELEASES: tuple[Release, ...] = (
+    Release("vllm-ascend", "0.13.0", "0.13.x", _V013, "vLLM v0.13.0", True),
+    Release("vllm-ascend", "0.18.0", "0.18.x", _V018, "vLLM v0.18.0", True),
+    Release(
+        "vllm-ascend",
+        "0.23.0.post1",
+        "0.23.x",
+        _V023,
+        "vLLM v0.23.0",
+        True,
+        aliases=("0.23.0",),
+    ),
+    Release("vllm-ascend", "0.25.1rc1", "0.25.1rc1+", _V0251, "vLLM v0.25.1", False),
+    Release("vllm-ascend", "main", "main", _MAIN, "vLLM v0.27.1", False),
+    Release("mindie", "3.0.0", "3.0.x", _MINDIE300, "atb_llm", True),
+)
+
+#: The release a target is judged for when none is named: its newest stable one.
+DEFAULT_RELEASE = {
+    t: [r for r in RELEASES if r.target == t and r.stable][-1].name
+    for t in ("vllm-ascend", "mindie")
+}
+
+#: config.json ``model_type`` -> the architecture vLLM instantiates, for the model
+#: types ascend-fa calibrates (a config's own ``architectures`` wins).
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+#: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
+#: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
+#: header to keep this true).
+DEFAULT_MODEL_CONFIG = {"model_type": "llama"}
+#: GGUF ``general.architecture`` -> transformers model_type.
+_GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What ``releases`` do with ``scheme`` for ``architectures`` (None: any).
+
+    ``loads`` False: ``effect`` says what happens instead (``silent``: no error,
+    the model runs wrongly or unquantized). The first rule of a release matching
+    the scheme and the architecture decides."""
+
+    id: str
+    target: str
+    scheme: str
+    releases: tuple[str, ...]
+    architectures: frozenset[str] | None
+    loads: bool
+    effect: str
+    citations: tuple[Citation, ...]
+    silent: bool = False
+
+    def cites(self) -> str:
+        return "; ".join(str(c) for c in self.citations)
+
+
+_GQA_C8_PATCHED = frozenset(
+    {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
+)
+_FIRST_INDEX_LOADERS = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+)
+_LATER = ("0.25.1rc1", "main")
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        "c8.unknown",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0",),
+        None,
+        False,
+        "knows no C8: nothing maps <attn>.k_proj.kv_cache_scale/offset and vLLM's "
+        "loader renames k_proj to qkv_proj, so loading raises KeyError "
+        "'<attn>.qkv_proj.kv_cache_offset'",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/utils.py",
+                _V013,
+                "ASCEND_QUANTIZATION_METHOD_MAP (no C8)",
+            ),
+            Citation(
+                VLLM, "vllm/model_executor/models/llama.py", "v0.13.0", "load_weights"
+            ),
+        ),
+    ),
+    Rule(
+        "c8.qwen3-patch",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0",),
+        frozenset({"Qwen3ForCausalLM"}),
+        True,
+        "Qwen3ForCausalLM.load_weights patched to load the [Hkv*D] scales whole",
+        (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", _V018),),
+    ),
+    Rule(
+        "c8.first-value",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0",),
+        _FIRST_INDEX_LOADERS,
+        False,
+        "loads only loaded_weight[0] of each per-channel scale (one scale for "
+        "every channel), which its C8 attention then cannot view as "
+        "[1, Hkv, 1, D] (a RuntimeError on its first forward)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/llama.py",
+                "v0.18.0",
+                "load_weights get_cache_scale",
+            ),
+            Citation(
+                VLLM, "vllm/model_executor/models/qwen2.py", "v0.18.0", "load_weights"
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/attention/attention_v1.py",
+                _V018,
+                "_prepare_c8_scales",
+            ),
+        ),
+    ),
+    Rule(
+        "c8.qwen3-only",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0",),
+        None,
+        False,
+        "maps C8 scales for Qwen3ForCausalLM only",
+        (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", _V018),),
+    ),
+    Rule(
+        "c8.gqa-patch",
+        "vllm-ascend",
+        "C8",
+        ("0.23.0.post1",),
+        _GQA_C8_PATCHED,
+        True,
+        "load_weights of Qwen3 / Glm4Moe / MiniMaxM2 patched to route the C8 scales",
+        (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),),
+    ),
+    Rule(
+        "c8.unpatched-arch",
+        "vllm-ascend",
+        "C8",
+        ("0.23.0.post1",),
+        None,
+        False,
+        "maps C8 scales only for Qwen3ForCausalLM, Glm4MoeForCausalLM, "
+        "MiniMaxM2ForCausalLM; for others vLLM's loader renames k_proj to "
+        "qkv_proj and raises KeyError '<attn>.qkv_proj.kv_cache_offset'",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),
+            Citation(
+                VLLM, "vllm/model_executor/models/llama.py", "v0.23.0", "load_weights"
+            ),
+            Citation(
+                VLLM, "vllm/model_executor/models/qwen2.py", "v0.23.0", "load_weights"
+            ),
+        ),
+    ),
+    Rule(
+        "c8.cache-scale-mapper",
+        "vllm-ascend",
+        "C8",
+        _LATER,
+        None,
+        True,
+        "get_cache_scale_mapper (PR #12463) renames the C8 tensors for every "
+        "model vLLM loads through AutoWeightsLoader",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/modelslim_config.py",
+                _PR12463,
+                "get_cache_scale_mapper (PR #12463; first tag v0.25.1rc1)",
+            ),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/utils.py",
+                "v0.25.1",
+                "AutoWeightsLoader.load_weights",
+            ),
+        ),
+    ),
+    Rule(
+        "fakquant.dropped",
+        "vllm-ascend",
+        "FAKQuant",
+        ("0.13.0",),
+        None,
+        False,
+        "registers no FAKQuant scheme and its DeepSeek loader skips tensors it has "
+        "no parameter for: the fa_* scales are dropped and the latent cache stays "
+        "bf16, silently",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/quant_config.py",
+                _V013,
+                "get_quant_method",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/patch/worker/patch_deepseekv3.py",
+                _V013,
+                "load_weights: name not in params_dict -> continue",
+            ),
+        ),
+        silent=True,
+    ),
+    Rule(
+        "fakquant.scheme",
+        "vllm-ascend",
+        "FAKQuant",
+        ("0.18.0", "0.23.0.post1", *_LATER),
+        None,
+        True,
+        "register_scheme('FAKQuant', 'attention'); fa_* names mapped to the MLA "
+        "attention",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/quantization/methods/kv_c8.py", _V018),
+            Citation(
+                VLLM_ASCEND, "vllm_ascend/patch/worker/patch_weight_utils.py", _V018
+            ),
+        ),
+    ),
+    Rule(
+        "mindie.fa3",
+        "mindie",
+        "FAQuant",
+        ("3.0.0",),
+        None,
+        True,
+        "llama / qwen2 flash-causal models build FA3 (mistral routes to llama, "
+        "qwen3 to qwen2)",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/llama/flash_causal_llama.py",
+                _MINDIE300,
+                "enableFA3",
+            ),
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/qwen2/flash_causal_qwen2.py",
+                _MINDIE300,
+                "enableFA3",
+            ),
+        ),
+    ),
+    Rule(
+        "mindie.fakquant",
+        "mindie",
+        "FAKQuant",
+        ("3.0.0",),
+        None,
+        True,
+        "deepseek_v2/v3 route to deepseekv2, which builds FA3",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/deepseekv2/"
+                "flash_causal_deepseekv2.py",
+                _MINDIE300,
+            ),
+        ),
+    ),
+)
+
+
+def _releases(target: str) -> list[Release]:
+    return [r for r in RELEASES if r.target == target]
+
+
+def _normal(version: str) -> str:
+    v = version.strip().lower()
+    return v[1:] if v.startswith("v") and v[1:2].isdigit() else v
+
+
+def resolve_release(target: str, version: str | None) -> Release | None:
+    """The release ``version`` of ``target`` names (None: the target's default;
+    None for the ``vllm`` target, which has no release table). A version the
+    table does not hold, or one of another target, is an :class:`InputError`."""
+    known = _releases(target)
+    if not known:
+        if version is None:
+            return None
+        raise InputError(
+            f"--consumer-version {version!r}: --target {target} has no release "
+            "table (vllm-ascend and mindie releases are; see README 'Consumer "
+            "releases')"
+        )
+    if version is None:
+        version = DEFAULT_RELEASE[target]
+    v = _normal(str(version))
+    for r in known:
+        series = r.line.removesuffix(".x").removesuffix("+")
+        if v in (r.name, *r.aliases, r.line, series):
+            return r
+    other = [
+        r.target
+        for r in RELEASES
+        if r.target != target and v in (r.name, *r.aliases, r.line)
+    ]
+    hint = f" (that is a {other[0]} release)" if other else ""
+    raise InputError(
+        f"--consumer-version {version!r} is not a {target} release in the table"
+        f"{hint}; choose one of {', '.join(r.name for r in known)}"
+    )
+
+
+def architecture(config: Mapping[str, Any] | None) -> str | None:
+    """The architecture a consumer instantiates: ``architectures[0]`` of the
+    config, else the one of its ``model_type``; None when nothing says."""
+    cfg = config or {}
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
+    return _ARCHITECTURES.get(str(cfg.get("model_type")))
+
+
+def release_scheme(target: str, mla: bool) -> str | None:
+    """The attention/KV scheme ``target`` writes: FAKQuant for MLA, C8
+    (vllm-ascend) or FAQuant (mindie) for GQA; None for vllm."""
+    if target == "vllm":
+        return None
+    if mla:
+        return "FAKQuant"
+    return "C8" if target == "vllm-ascend" else "FAQuant"
+
+
+def rule_for(release: Release, scheme: str, arch: str | None) -> Rule | None:
+    """The first rule of ``release`` for ``scheme`` covering ``arch``."""
+    for rule in RULES:
+        if rule.target != release.target or rule.scheme != scheme:
+            continue
+        if release.name not in rule.releases:
+            continue
+        if rule.architectures is None or arch in rule.architectures:
+            return rule
+    return None
+
+
+def first_loading(target: str, scheme: str, arch: str | None) -> Release | None:
+    """The oldest release of ``target`` that loads ``scheme`` for ``arch``."""
+    for r in _releases(target):
+        rule = rule_for(r, scheme, arch)
+        if rule is not None and rule.loads:
+            return r
+    return None
+
+
+def _refusal(release: Release, scheme: str, arch: str | None) -> str | None:
+    rule = rule_for(release, scheme, arch)
+    if rule is None or rule.loads:
+        return None
+    first = first_loading(release.target, scheme, arch)
+    fix = (
+        f"; {first.name} is the first release that loads it "
+        f"(--consumer-version {first.name})"
+        if first
+        else "; no release in the table loads it"
+    )
+    what = "silently ignores" if rule.silent else "cannot load"
+    return (
+        f"{release.target} {release.name} {what} {scheme} for {arch or 'this model'}"
+        f" [{rule.id}]: {rule.effect}{fix} ({rule.cites()})"
+    )
+
+
+def release_findings(
+    target: str, release: Release | None, scheme: str | None, arch: str | None
+) -> list[str]:
+    """``inspect``'s finding (release, rule, citation) when ``release`` does not
+    load ``scheme`` for ``arch``; empty when it does or nothing is known."""
+    if release is None or scheme is None:
+        return []
+    line = _refusal(release, scheme, arch)
+    return [line] if line else []
+
+
+def _gguf_config(model: Path, gguf_file: str | None) -> dict[str, Any] | None:
+    """``{"model_type": ...}`` from a GGUF header (no tensor is read)."""
+    path = model / gguf_file if gguf_file else model
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception:  # noqa: BLE001 - an unreadable header is the loader's error
+        return None
+    model_type = _GGUF_MODEL_TYPES.get(arch)
+    return {"model_type": model_type} if model_type else None
+
+
+def check_release(
+    target: str | None,
+    version: str | None,
+    model: str | Path | None = None,
+    gguf_file: str | None = None,
+    *,
+    config: Mapping[str, Any] | None = None,
+) -> str:
+    """``calibrate``'s refusal before any work; returns the resolved target.
+
+    The release ``version`` of ``target`` (:func:`resolve_release`) must load what
+    ``target`` writes for ``model``, read from its ``config.json`` (or ``config``,
+    or a GGUF header; :data:`DEFAULT_MODEL_CONFIG` when ``model`` is None). Otherwise an
+    :class:`UnsupportedError` says in one line what that release cannot load (or
+    would load wrongly), the rule with its citation, and the first release that
+    loads it. A model whose type cannot be read here, or is not one ascend-fa
+    calibrates, is let through (the loader or the adapter registry reports it)."""
+    from .targets import resolve_target
+
+    target = resolve_target(target)
+    release = resolve_release(target, version)
+    if release is None:
+        return target
+    if config is None and model is not None:
+        src = Path(model)
+        config = _json(src / "config.json") or _gguf_config(src, gguf_file)
+    elif config is None:
+        config = DEFAULT_MODEL_CONFIG
+    if not config or config.get("model_type") not in _ARCHITECTURES:
+        return target  # not a model type ascend-fa calibrates: the loader says
+    mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
+    line = _refusal(release, str(release_scheme(target, mla)), architecture(config))
+    if line:
+        raise UnsupportedError(f"--consumer-version {release.name}: {line}")
+    return target
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

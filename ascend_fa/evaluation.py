@@ -102,6 +102,13 @@ def eval_text_path(name: str) -> Path:
     return Path(str(resources.files("ascend_fa") / "data" / EVAL_SETS[name]))
 
 
+def _data_source(item: str | Path) -> Path | None:
+    """``--data`` item: None for a packaged set name (loaded by name), else a file."""
+    if isinstance(item, str) and (item in EVAL_SETS or item in LONG_EVAL_SETS):
+        return None
+    return Path(item)
+
+
 def load_eval_text(source: str | Path) -> str:
     """The text of a packaged set name or of a file.
 
@@ -589,8 +596,11 @@ def run_eval(
         if value <= 0:
             raise InputError(f"--{flag.replace('_', '-')} must be > 0")
     artifact_scales = read_artifact_spec(artifact) if artifact is not None else None
+    packaged = {*EVAL_SETS, *LONG_EVAL_SETS}
     sources: dict[str, str | Path | None] = (
-        {Path(p).stem: Path(p) for p in data} if data else dict.fromkeys(EVAL_SETS)
+        {(p if p in packaged else Path(p).stem): _data_source(p) for p in data}
+        if data
+        else dict.fromkeys(EVAL_SETS)
     )
     texts = {
         name: load_eval_text(src if src is not None else name)

@@ -442,3 +442,15 @@ def test_token_kl_is_never_negative_for_equal_distributions():
     ref = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))
     kl, _, _ = token_kl(ref, ref.flip(-1))
     assert kl > 1.0
+
+
+def test_long_eval_sets_extend_the_short_ones():
+    from ascend_fa.evaluation import LONG_EVAL_SETS, _data_source, load_eval_text
+
+    for name in ("prose", "code"):
+        short, long = load_eval_text(name), load_eval_text(f"{name}-long")
+        assert long.startswith(short.rstrip("\n")) and len(long) > 1.6 * len(short)
+    assert set(LONG_EVAL_SETS) == {"prose-long", "code-long"}
+    # --data takes the packaged names as well as files
+    assert _data_source("code-long") is None and _data_source("prose") is None
+    assert _data_source("notes.txt") == __import__("pathlib").Path("notes.txt")

@@ -449,7 +449,7 @@ def test_long_eval_sets_extend_the_short_ones():
 
     for name in ("prose", "code"):
         short, long = load_eval_text(name), load_eval_text(f"{name}-long")
-        assert long.startswith(short.rstrip("\n")) and len(long) > 1.6 * len(short)
+        assert long.startswith(short.rstrip("\n")) and len(long) > 1.5 * len(short)
     assert set(LONG_EVAL_SETS) == {"prose-long", "code-long"}
     # --data takes the packaged names as well as files
     assert _data_source("code-long") is None and _data_source("prose") is None

@@ -44,7 +44,6 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +56,20 @@ from ascend_fa.artifact.format import FA_BRANCHES, ScaleMap
 from ascend_fa.atb_ops import dynamic_fake_quant
 from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
 from ascend_fa.calibration.pipeline import injected_points, progress_bar
+from ascend_fa.eval_data import (
+    EVAL_SETS,
+    LONG_EVAL_SETS,
+    data_source,
+    eval_text_path,
+    load_eval_text,
+    token_windows,
+)
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
 
 __all__ = [
     "EVAL_SETS",
+    "LONG_EVAL_SETS",
     "ScaleMap",
     "QuantSpec",
     "EvalResult",
@@ -80,73 +88,11 @@ __all__ = [
     "run_eval",
 ]
 
-#: Held-out texts shipped with the package (never used for calibration).
-EVAL_SETS = {"prose": "eval_prose.txt", "code": "eval_code.txt"}
-
 _SPEC_NAMES = ("dynamic", "float")
 
 #: ``eval --dtype``: the model's compute dtype. fp64 gives the same table on every
 #: CPU (the FA points still quantize fp32 values, :class:`Float32Point`).
 EVAL_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def eval_text_path(name: str) -> Path:
-    """Path of a packaged held-out text: ``"prose"`` or ``"code"``."""
-    if name not in EVAL_SETS:
-        raise ValueError(
-            f"unknown evaluation set {name!r}; packaged sets: {', '.join(EVAL_SETS)}"
-        )
-    return Path(str(resources.files("ascend_fa") / "data" / EVAL_SETS[name]))
-
-
-def load_eval_text(source: str | Path) -> str:
-    """The text of a packaged set name or of a file.
-
-    A ``.jsonl`` file (or one whose first line is a JSON object) is read with the
-    calibration-data rules and its samples joined by blank lines; any other file is
-    taken as one plain text.
-    """
-    if isinstance(source, str) and source in EVAL_SETS:
-        return eval_text_path(source).read_text(encoding="utf-8")
-    from ascend_fa.calibration.data import MAX_CALIB_BYTES, load_calib_texts
-    from ascend_fa.safe_files import read_text
-
-    path = Path(source)
-    text = read_text(path, limit=MAX_CALIB_BYTES, what="evaluation data")
-    first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    if path.suffix.lower() in (".jsonl", ".json") or first.lstrip().startswith("{"):
-        return "\n\n".join(load_calib_texts(path))
-    if not text.strip():
-        from ascend_fa.errors import FileFormatError
-
-        raise FileFormatError("evaluation file is empty", path=path)
-    return text
-
-
-def token_windows(
-    tokenizer: Any,
-    text: str,
-    *,
-    window: int = 512,
-    max_tokens: int | None = None,
-    min_last: int = 64,
-) -> list[torch.Tensor]:
-    """Cut ``text``'s tokens into consecutive windows ``[S]`` of ``window`` tokens.
-
-    A shorter last window is kept when it has at least ``min_last`` tokens (or
-    when it is the only one). ``max_tokens`` caps the tokens used.
-    """
-    if window < 2:
-        raise ValueError(f"window must be >= 2 tokens, got {window}")
-    ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    if ids.numel() < 2:
-        raise ValueError("evaluation text has fewer than 2 tokens")
-    out = [ids[i : i + window] for i in range(0, ids.numel(), window)]
-    if len(out) > 1 and out[-1].numel() < min_last:
-        out.pop()
-    return out
 
 
 class Float32Point(nn.Module):
@@ -632,8 +578,11 @@ def run_eval(
     artifact_scales = (
         read_artifact_spec(artifact, fp8_rounding) if artifact is not None else None
     )
+    packaged = {*EVAL_SETS, *LONG_EVAL_SETS}
     sources: dict[str, str | Path | None] = (
-        {Path(p).stem: Path(p) for p in data} if data else dict.fromkeys(EVAL_SETS)
+        {(p if p in packaged else Path(p).stem): data_source(p) for p in data}
+        if data
+        else dict.fromkeys(EVAL_SETS)
     )
     texts = {
         name: load_eval_text(src if src is not None else name)

@@ -453,3 +453,15 @@ def test_dtype_refusals(capsys):
         main(["eval", "--compare-methods", "--dtype", "fp16"])
     assert exc.value.code == 2
     assert "--dtype: invalid choice: 'fp16'" in capsys.readouterr().err
+
+
+def test_long_eval_sets_extend_the_short_ones():
+    from ascend_fa.eval_data import LONG_EVAL_SETS, data_source, load_eval_text
+
+    for name in ("prose", "code"):
+        short, long = load_eval_text(name), load_eval_text(f"{name}-long")
+        assert long.startswith(short.rstrip("\n")) and len(long) > 1.5 * len(short)
+    assert set(LONG_EVAL_SETS) == {"prose-long", "code-long"}
+    # --data takes the packaged names as well as files
+    assert data_source("code-long") is None and data_source("prose") is None
+    assert data_source("notes.txt") == __import__("pathlib").Path("notes.txt")

@@ -147,6 +147,15 @@ def reference_kv(model_dir, data, rope=True):
     }
 
 
+def _pair_norms(x: torch.Tensor) -> torch.Tensor:
+    """``[N, Hkv, D]`` -> each channel's RoPE pair norm ``sqrt(x_d² + x_{d±D/2}²)``
+    (rotate_half layout), in float64."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half].double(), x[..., half:].double()
+    n = (a * a + b * b).sqrt()
+    return torch.cat([n, n], dim=-1)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_c8_vllm_ascend(models, data, tmp_path, name):
     out = tmp_path / "c8"
@@ -176,8 +185,11 @@ def test_c8_vllm_ascend(models, data, tmp_path, name):
             assert scale.dtype == torch.float32 and scale.shape == (hkv * d,)
             assert offset.shape == (hkv * d,) and not offset.any()
             assert desc[f"{attn}.{side}_proj.kv_cache_scale"] == "C8"
-            # per channel c = h * D + d: max |x| over every calibration token
-            want = (x.abs().amax(dim=0).reshape(-1) / 127).clamp(min=2**-23)
+            # per channel c = h * D + d: max |x| over every calibration token;
+            # K's channels the max of their RoPE pair's norm (holds at every
+            # position)
+            seen = _pair_norms(x) if side == "k" else x.abs()
+            want = (seen.amax(dim=0).reshape(-1) / 127).clamp(min=2**-23).float()
             torch.testing.assert_close(scale, want, rtol=2e-5, atol=0)
             # not transposed [D, Hkv]
             wrong = x.abs().amax(dim=0).t().reshape(-1) / 127
@@ -230,7 +242,8 @@ def test_vllm_compressed_tensors(models, data, tmp_path, strategy):
     for attn, (k, v) in ref.items():
         for side, x in (("k", k), ("v", v)):
             s = t[f"{attn}.{side}_scale"]
-            amax = x.abs().amax(dim=(0, 2))  # per KV head
+            seen = _pair_norms(x) if side == "k" else x.abs()
+            amax = seen.amax(dim=(0, 2)).float()  # per KV head
             if strategy == "tensor":
                 amax = amax.max().reshape(1)
             assert s.dtype == torch.float32 and s.shape == amax.shape

@@ -53,8 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         metavar="FILE",
-        help="held-out text file (repeatable; default: the packaged "
-        "prose and code sets)",
+        help="held-out text file or packaged set name: prose, code, or the long "
+        "prose-long, code-long for long windows (repeatable; default: prose and "
+        "code)",
     )
     parser.add_argument(
         "--compare-methods",

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=0, help="default 32")
     parser.add_argument("--max-length", type=int, default=0, help="default 512")
     parser.add_argument("--window", type=int, default=512, help="eval window tokens")
+    parser.add_argument(
+        "--long-window",
+        type=int,
+        default=4096,
+        help="long-context rows: the long held-out sets (prose-long, code-long) at "
+        "--window and at this many tokens per window (0 skips them)",
+    )
 
 
 def _compose(*wraps: Any) -> Any:
@@ -192,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     specs = _written_specs(model, plans)
     t0 = time.perf_counter()
     results = _evaluate_sets(args, model, tok, specs, length)
+    long_results = _evaluate_long(args, model, tok, specs, length)
     eval_s = time.perf_counter() - t0
     print(
         f"model: {name} (load {load_s:.1f} s); calibration {len(calib)} samples x "
@@ -200,9 +208,11 @@ def run(args: argparse.Namespace) -> int:
     )
     _print_table(results, specs)
     params = {"model": name, "num_samples": n, "max_length": length}
+    if long_results:
+        _print_long_table(long_results, specs)
     write_results(
         args.json,
-        _records(results, params, quick),
+        _records(results, params, quick) + _long_records(long_results, params),
         backend="cpu",
         extra={"load_seconds": load_s, "calibration_seconds": calib_s},
     )
@@ -304,6 +314,94 @@ def _evaluate_sets(
         )
         results[data] = _evaluate(model, windows, specs)
     return results
+
+
+def _long_windows(args: argparse.Namespace, length: int) -> tuple[int, int]:
+    """(short, long) window tokens of the long-context rows (``--quick``: a tiny
+    model's lengths)."""
+    if args.quick:
+        return min(args.window, length), min(args.long_window, 4 * length)
+    return args.window, args.long_window
+
+
+def _evaluate_long(
+    args: argparse.Namespace, model: Any, tok: Any, specs: dict, length: int
+) -> dict[str, dict[int, Any]]:
+    """``{set: {window: _evaluate(...)}}``: each long held-out set at the short and
+    the long window, after the same short-sample calibration."""
+    from ascend_fa.eval_data import LONG_EVAL_SETS, load_eval_text, token_windows
+
+    if args.long_window <= 0:
+        return {}
+    out: dict[str, dict[int, Any]] = {}
+    for data in LONG_EVAL_SETS:
+        text = load_eval_text(data)
+        out[data] = {}
+        for w in _long_windows(args, length):
+            cap = 4 * length if args.quick else None
+            windows = token_windows(tok, text, window=w, max_tokens=cap)
+            out[data][w] = _evaluate(model, windows, specs)
+    return out
+
+
+#: Long-context goal: a mode's KL at the long window <= 1.25x its short-window KL.
+LONG_KL_GOAL = "<= 1.25"
+
+
+def _print_long_table(long_results: dict[str, Any], specs: dict[str, Any]) -> None:
+    """KL per mode at the short and the long window of each long set, and their
+    ratio (the long-context goal)."""
+    headers = ["target / deployed quantization"]
+    for data, by_window in long_results.items():
+        short, long = list(by_window)
+        headers += [f"{data} KL @{short}", f"KL @{long}", "ratio"]
+    rows = []
+    for label in specs:
+        row = [label]
+        for by_window in long_results.values():
+            kls = [r[2][label]["kl"] for r in by_window.values()]
+            row += [f"{kls[0]:.5f}", f"{kls[1]:.5f}", f"{kls[1] / kls[0]:.2f}x"]
+        rows.append(row)
+    print(f"long context (KL at the long window / at the short one, {LONG_KL_GOAL}):")
+    print_table(headers, rows)
+
+
+def _long_records(long_results: dict[str, Any], base: dict[str, Any]) -> list[Record]:
+    """One record per mode, long set and window; the long window's carries the KL
+    ratio against the short one with the goal."""
+    records = []
+    for data, by_window in long_results.items():
+        short = next(iter(by_window))
+        for window, (ppl_f, tokens, found, _float_s) in by_window.items():
+            params = {**base, "eval": data, "tokens": tokens, "window": window}
+            for label, e in found.items():
+                kl_ratio = None
+                if window != short:
+                    base_kl = by_window[short][2][label]["kl"]
+                    kl_ratio = e["kl"] / base_kl if base_kl > 0 else float("inf")
+                ok = kl_ratio is None or verdict(kl_ratio, LONG_KL_GOAL) == "ok"
+                records.append(
+                    Record(
+                        NAME,
+                        "cpu",
+                        SPEC_MODES[label],
+                        params,
+                        e["seconds"],
+                        ratio=e["ppl"] / ppl_f,
+                        baseline="float",
+                        goal=None if kl_ratio is None else LONG_KL_GOAL,
+                        verdict=None if kl_ratio is None else ("ok" if ok else "miss"),
+                        extra={
+                            "label": label,
+                            "ppl": e["ppl"],
+                            "ppl_delta_pct": e["ppl_delta_pct"],
+                            "kl": e["kl"],
+                            "top1": e["top1"],
+                            "kl_vs_short_window": kl_ratio,
+                        },
+                    )
+                )
+    return records
 
 
 def _print_table(results: dict[str, Any], specs: dict[str, Any]) -> None:

@@ -612,7 +612,8 @@ def test_cli_emulate_reports_all_modes(tmp_path, capsys):
     # float paged cache reproduces it, the int8 paths are close but not equal.
     assert rows["float (plain model)"]["kl"] == 0.0
     assert rows["float (plain model)"]["top1"] == 1.0
-    assert rows["float-paged"]["kl"] < 1e-8 and rows["float-paged"]["top1"] == 1.0
+    # KL per position is clamped at 0, so rounding leaves a tiny positive mean
+    assert rows["float-paged"]["kl"] < 1e-6 and rows["float-paged"]["top1"] == 1.0
     for mode in ("int8_kv", "faquant"):
         assert 0 < rows[mode]["kl"] < 0.05 and 0.8 <= rows[mode]["top1"] <= 1.0
     assert "top-1" in printed and "KL" in printed

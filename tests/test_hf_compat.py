@@ -180,13 +180,15 @@ def test_calibrate_inspect_eval_emulate(tmp_path, capsys, model_type, target):
     src = save_tiny(tmp_path / "src", model_type, **extra)
     art = tmp_path / "art"
     common = ["--model", str(src)]
+    # a Qwen2's C8 loads from vllm-ascend 0.25.1rc1 on (ascend_fa.artifact.releases)
+    release = ["--consumer-version", "0.25.1rc1"] if target == "vllm-ascend" else []
     rc = main(
         ["-q", "calibrate", *common, "--num-samples", "4", "--max-length", "24"]
         + ["--batch-size", "2", "--heldout", "1", "--no-report", "--target", target]
-        + ["--output", str(art)]
+        + ["--output", str(art), *release]
     )
     assert rc == 0, capsys.readouterr().err
-    assert main(["-q", "inspect", str(art), "--target", target]) == 0
+    assert main(["-q", "inspect", str(art), "--target", target, *release]) == 0
     capsys.readouterr()
     assert (
         main(

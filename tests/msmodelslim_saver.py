@@ -18,11 +18,19 @@ The package installs without its dependencies' heavy parts (``pip install
 --no-deps msmodelslim==26.1.0`` plus ``easydict einops pygtrie wcmatch scipy``, which
 ``ci/setup.sh dev`` installs); :func:`saver_available` says why not when it cannot
 be imported.
+
+msModelSlim patches pydantic when it is imported
+(``msmodelslim/utils/patch/pydantic.py``: every later ``ValidationError`` becomes its
+``SchemaValidateError``), so it never runs in the test process: both functions run
+this file in a child interpreter (``python msmodelslim_saver.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +42,41 @@ MSMODELSLIM_VERSION = "26.1.0"
 _SAVE = "msmodelslim.core.quant_service.modelslim_v1.save"
 
 
-def saver_available() -> str | None:
-    """None when msModelSlim's saver imports, else the reason it does not."""
-    try:
-        from importlib.metadata import version
+def _child(*args: str) -> subprocess.CompletedProcess:
+    """This file run in a child interpreter (msModelSlim stays out of this one)."""
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    return subprocess.run(
+        [sys.executable, __file__, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
-        have = version("msmodelslim")
-        if have != MSMODELSLIM_VERSION:
-            return (
-                f"msmodelslim {have} installed, the fixtures need {MSMODELSLIM_VERSION}"
-            )
+
+def saver_available() -> str | None:
+    """None when msModelSlim's saver imports (in a child process), else why not."""
+    proc = _child("check")
+    if proc.returncode == 0:
+        return None
+    tail = (proc.stdout + proc.stderr).strip().splitlines()
+    return tail[-1] if tail else f"saver check exited {proc.returncode}"
+
+
+def _check_here() -> None:
+    from importlib.metadata import version
+
+    have = version("msmodelslim")
+    if have != MSMODELSLIM_VERSION:
+        raise SystemExit(
+            f"msmodelslim {have} installed, the fixtures need {MSMODELSLIM_VERSION}"
+        )
+    try:
         __import__(f"{_SAVE}.ascendv1")
     except Exception as exc:  # noqa: BLE001 - any import failure is a skip reason
-        return f"msmodelslim {MSMODELSLIM_VERSION} saver unavailable: {exc!r}"
-    return None
+        raise SystemExit(
+            f"msmodelslim {MSMODELSLIM_VERSION} saver unavailable: {exc!r}"
+        ) from None
 
 
 def _quantized_linear(linear: torch.nn.Linear, dynamic: bool) -> torch.nn.Module:
@@ -79,12 +108,20 @@ def _quantized_linear(linear: torch.nn.Linear, dynamic: bool) -> torch.nn.Module
 def genuine_export(
     path: Path, model_dir: Path, *, quant_type: str = "W8A8", part_file_size: int = 4
 ) -> dict[str, Any]:
-    """Run msModelSlim's ``AscendV1Saver`` on the checkpoint in ``model_dir`` with
-    every decoder-layer linear quantized (``quant_type`` ``W8A8`` static or
-    ``W8A8_DYNAMIC``) and write its export to ``path``; returns the description it
-    wrote. ``part_file_size`` (GB) is the saver's shard size (0: one file)."""
-    import json
+    """Run msModelSlim's ``AscendV1Saver`` (in a child process) on the checkpoint
+    in ``model_dir`` with every decoder-layer linear quantized (``quant_type``
+    ``W8A8`` static or ``W8A8_DYNAMIC``) and write its export to ``path``; returns
+    the description it wrote. ``part_file_size`` (GB) is the saver's shard size
+    (0: one file)."""
+    proc = _child("export", str(path), str(model_dir), quant_type, str(part_file_size))
+    if proc.returncode != 0:
+        raise RuntimeError(f"msModelSlim's saver failed: {proc.stderr[-3000:]}")
+    return json.loads((path / "quant_model_description.json").read_text())
 
+
+def _export_here(
+    path: Path, model_dir: Path, quant_type: str, part_file_size: int
+) -> None:
     import transformers
     from msmodelslim.core.quant_service.modelslim_v1.save.ascendv1 import (
         AscendV1Config,
@@ -119,4 +156,11 @@ def genuine_export(
     saver.pre_run()
     with torch.no_grad():
         saver.post_run()
-    return json.loads((path / "quant_model_description.json").read_text())
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "check":
+        _check_here()
+    else:
+        _, _, out, src, quant, size = sys.argv
+        _export_here(Path(out), Path(src), quant, int(size))

@@ -184,10 +184,20 @@ def test_bench_targets_quick_json_in_the_one_schema(tmp_path):
         "float", "mindie_faquant", "vllm_ascend_c8", "vllm_fp8_tensor",
         "vllm_fp8_head",
     }  # fmt: skip
-    assert {r["params"]["eval"] for r in doc["records"]} == {"prose", "code"}
+    evals = {r["params"]["eval"] for r in doc["records"]}
+    assert evals == {"prose", "code", "prose-long", "code-long"}
     assert all("kl" in r["extra"] and "top1" in r["extra"] for r in doc["records"])
     base = [r for r in doc["records"] if r["mode"] == "float"]
     assert base and all(r["ratio"] == 1.0 for r in base)
+    # long context: each mode at the short and the long window of each long set;
+    # the long window's record carries its KL ratio and the goal
+    long = [r for r in doc["records"] if r["params"]["eval"].endswith("-long")]
+    assert {r["params"]["window"] for r in long} == {64, 256}
+    assert len(long) == 2 * 2 * 4
+    for r in long:
+        at_long = r["params"]["window"] == 256
+        assert (r["extra"]["kl_vs_short_window"] is not None) == at_long
+        assert (r["goal"] == "<= 1.25") == at_long
 
 
 def test_streaming_workdir_that_is_not_a_directory_is_one_line(tmp_path, capsys):

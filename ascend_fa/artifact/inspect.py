@@ -56,7 +56,13 @@ from .format import (
     is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
-from .releases import architecture, release_findings, release_scheme, resolve_release
+from .releases import (
+    architecture,
+    release_findings,
+    release_notes,
+    release_scheme,
+    resolve_release,
+)
 
 __all__ = ["inspect_artifact", "natural_key", "scale_findings"]
 
@@ -385,6 +391,7 @@ def inspect_artifact(
         findings.extend(target_findings(target, view))
         scheme = release_scheme(target, view.mla)
         findings.extend(release_findings(target, release, scheme, architecture(config)))
+        result["notes"] = release_notes(target, release, scheme, architecture(config))
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
         "target": target,

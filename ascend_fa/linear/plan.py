@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
-from ascend_fa.families import attention_kind, model_types
+from ascend_fa.families import MoeLayout, attention_kind, model_types, moe_layout
 from ascend_fa.hf_compat import require_transformers5
 
 from .experts import is_fused_experts
@@ -86,6 +86,20 @@ class LinearGroup:
     head_dim: int = 0
     #: linears the group stands for when not one per name (routed experts: 3 x E)
     count: int = 0
+    #: quantized per token (W8A8_DYNAMIC) whatever ``--linear`` says: MoE experts
+    #: (see the module doc)
+    dynamic: bool = False
+
+    def linear_type(self, configured: str) -> str:
+        """The group's linear type: ``configured`` (``--linear``), or W8A8_DYNAMIC
+        for the MoE experts' groups whatever ``--linear`` says. msModelSlim's MoE
+        recipes quantize the MLP per token next to static attention (msmodelslim
+        26.1.0 ``lab_practice/qwen3_moe/qwen3-30b-a3b-w8a8.yaml`` ``mix_cfg``
+        ``"*.mlp.*": w8a8_dynamic``; its DeepSeek default in
+        ``pytorch/llm_ptq/llm_ptq_tools/quant_tools.py``): a static per-tensor
+        input range per expert needs tokens routed to every expert, which a
+        calibration set does not give."""
+        return "W8A8_DYNAMIC" if self.dynamic else configured
 
     @property
     def smoothable(self) -> bool:
@@ -127,12 +141,67 @@ def _linear(model: nn.Module, name: str) -> nn.Module:
     return mod
 
 
+def _mlp_groups(
+    model: nn.Module, p: str, layout: MoeLayout | None
+) -> tuple[list[LinearGroup], LinearGroup | None]:
+    """The MLP groups of decoder layer ``p`` and its routed experts (or None): a
+    dense MLP (``gate_proj`` present: dense models, and MoE models' first dense
+    layers) folds as in the module doc; a MoE block has shared-expert groups
+    (quantized per token, ``dynamic``) and the fused routed experts."""
+    m = f"{p}.{layout.block if layout is not None else 'mlp'}"
+    if _has(model, f"{m}.gate_proj") or layout is None:
+        return [
+            LinearGroup(
+                f"{m}.gate_up",
+                "gate_up",
+                (f"{m}.gate_proj", f"{m}.up_proj"),
+                norm=_mlp_norm(model, p),
+            ),
+            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+        ], None
+    groups = []
+    if layout.shared is not None and _has(model, f"{m}.{layout.shared}.gate_proj"):
+        s = f"{m}.{layout.shared}"
+        groups += [
+            # The norm output also feeds the router and the routed experts: no fold.
+            LinearGroup(
+                f"{s}.gate_up",
+                "shared_gate_up",
+                (f"{s}.gate_proj", f"{s}.up_proj"),
+                dynamic=True,
+            ),
+            LinearGroup(
+                f"{s}.down",
+                "shared_down",
+                (f"{s}.down_proj",),
+                fold=f"{s}.up_proj",
+                dynamic=True,
+            ),
+        ]
+    routed = (
+        model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
+    )
+    experts = None
+    if is_fused_experts(routed):
+        n = routed.gate_up_proj.shape[0]
+        experts = LinearGroup(
+            f"{m}.experts", "experts", (f"{m}.experts",), count=3 * n, dynamic=True
+        )
+    return groups, experts
+
+
+def _mlp_norm(model: nn.Module, p: str) -> str:
+    """The norm whose output is the MLP input."""
+    return f"{p}.post_attention_layernorm"
+
+
 def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
-    a, m = f"{p}.self_attn", f"{p}.mlp"
+    a = f"{p}.self_attn"
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
     return LayerPlan(
         i,
         p,
@@ -151,22 +220,16 @@ def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
                 tie=heads // kv,
                 head_dim=head_dim,
             ),
-            LinearGroup(
-                f"{m}.gate_up",
-                "gate_up",
-                (f"{m}.gate_proj", f"{m}.up_proj"),
-                norm=f"{p}.post_attention_layernorm",
-            ),
-            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+            *mlp,
         ],
+        experts,
     )
 
 
 def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
-    a, m = f"{p}.self_attn", f"{p}.mlp"
+    a = f"{p}.self_attn"
     groups = []
-    experts = None
     q_in = f"{a}.q_a_proj" if _has(model, f"{a}.q_a_proj") else f"{a}.q_proj"
     groups.append(
         LinearGroup(
@@ -183,36 +246,8 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
             )
         )
     groups.append(LinearGroup(f"{a}.o", "o", (f"{a}.o_proj",)))
-    if _has(model, f"{m}.gate_proj"):
-        groups += [
-            LinearGroup(
-                f"{m}.gate_up",
-                "gate_up",
-                (f"{m}.gate_proj", f"{m}.up_proj"),
-                norm=f"{p}.post_attention_layernorm",
-            ),
-            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
-        ]
-    elif _has(model, f"{m}.shared_experts.gate_proj"):
-        s = f"{m}.shared_experts"
-        routed = (
-            model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
-        )
-        if is_fused_experts(routed):
-            n = routed.gate_up_proj.shape[0]
-            experts = LinearGroup(
-                f"{m}.experts", "experts", (f"{m}.experts",), count=3 * n
-            )
-        groups += [
-            # The norm output also feeds the router and the routed experts: no fold.
-            LinearGroup(
-                f"{s}.gate_up", "shared_gate_up", (f"{s}.gate_proj", f"{s}.up_proj")
-            ),
-            LinearGroup(
-                f"{s}.down", "shared_down", (f"{s}.down_proj",), fold=f"{s}.up_proj"
-            ),
-        ]
-    return LayerPlan(i, p, groups, experts)
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
+    return LayerPlan(i, p, groups + mlp, experts)
 
 
 #: An attention kind's ``linear_plan`` -> the builder of one layer's plan.

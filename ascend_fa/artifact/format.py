@@ -327,10 +327,10 @@ MOE_QUANTIZE_KEY = "moe_quantize"
 
 
 def mixed_moe_linears(types: Mapping[str, str]) -> bool:
-    """Whether static W8A8 linears sit next to W8A8_DYNAMIC MoE experts (an
-    ``.experts.`` tensor): ``model_quant_type`` is then ``W8A8`` and MindIE needs
+    """Whether static W8A8 linears sit next to W8A8_DYNAMIC MoE experts (routed
+    or shared): ``model_quant_type`` is then ``W8A8`` and MindIE needs
     :data:`MOE_QUANTIZE_KEY` to run the experts per token."""
     values = set(types.values())
     return "W8A8" in values and any(
-        t == "W8A8_DYNAMIC" and ".experts." in n for n, t in types.items()
+        t == "W8A8_DYNAMIC" and "expert" in n for n, t in types.items()
     )

@@ -21,7 +21,8 @@ is linear in ``up``).
 model types     groups per decoder layer                    smoothing folds into
 ==============  ==========================================  =====================
 llama, qwen2,   ``qkv`` q/k/v_proj                          ``input_layernorm``
-qwen3, mistral  ``o`` o_proj                                ``v_proj`` rows (tied)
+qwen3, mistral, ``o`` o_proj                                ``v_proj`` rows (tied)
+GQA + MoE
                 ``gate_up`` gate/up_proj                    ``post_attention_layernorm``
                 ``down`` down_proj                          ``up_proj`` rows
 deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
@@ -29,17 +30,23 @@ deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
                 ``q_b`` q_b_proj                            ``q_a_layernorm``
                 ``o`` o_proj                                -
                 dense MLP: ``gate_up``, ``down``            as above
-                MoE: ``shared_gate_up``, ``shared_down``    -, shared ``up_proj``
+MoE layers      ``shared_gate_up``, ``shared_down``         -, shared ``up_proj``
+(any family)    (per token), routed ``experts`` (per token)
 ==============  ==========================================  =====================
+
+A GQA + MoE family's dense layers (GLM-4-MoE's first ones) take the dense MLP
+groups; its MoE layers the MoE groups, where the family's
+:class:`~ascend_fa.families.MoeLayout` says the shared expert and its gate sit.
 
 Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLOAT);
 DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
 asserts ``isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod)``,
 ``vllm_ascend/attention/mla_v1.py`` @182b75e, "We currently do not support quant
-kv_b_proj"). DeepSeek routed experts, which transformers 5 holds as fused
-``experts.gate_up_proj`` / ``experts.down_proj`` parameters rather than linears,
-are the plan's ``experts``: W8A8_DYNAMIC quantizes them (:mod:`.experts`), static
-W8A8 keeps them float.
+kv_b_proj"); the MoE routers and Qwen's ``shared_expert_gate``. Routed experts,
+which transformers 5 holds as fused ``experts.gate_up_proj`` /
+``experts.down_proj`` parameters rather than linears, are the plan's ``experts``;
+they and the shared experts are quantized per token under either ``--linear``
+(:meth:`LinearGroup.linear_type`, :mod:`.experts`).
 """
 
 from __future__ import annotations

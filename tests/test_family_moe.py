@@ -186,6 +186,13 @@ def test_vllm_ascend_c8_follows_the_release_table(tmp_path, capsys):
     out = tmp_path / "glm-c8"
     assert _calibrate(glm, out, "--target", "vllm-ascend") == 0  # 0.23 patched it
     assert inspect_artifact(out, target="vllm-ascend")["valid"]
+    # partial RoPE (factor 0.5 of head_dim 16): K's range comes from the norms of
+    # the rotate-half pairs (d, d + 4) of the first 8 channels only; the other 8
+    # channels are not rotated and keep their own range
+    name = "model.layers.1.self_attn.k_proj.kv_cache_scale"
+    k = _tensors(out)[name].float().reshape(2, 16)
+    assert torch.equal(k[:, :4], k[:, 4:8])
+    assert not torch.equal(k[:, :8], k[:, 8:])
     mixtral = save_tiny_moe(tmp_path / "mixtral", "mixtral")
     refused = tmp_path / "refused"
     assert _calibrate(mixtral, refused, "--target", "vllm-ascend") == 2

@@ -140,6 +140,65 @@ def test_linear_accuracy_records_one_per_recipe_and_goal(tmp_path):
     assert len(doc["records"]) == 4 + 2 * 6 + 1
 
 
+def test_linear_accuracy_cross_domain_goals_and_recipe_subsets():
+    from ascend_fa.benchmarks.linear_accuracy import MODES, accuracy_records, selected
+    from ascend_fa.evaluation import EvalResult
+
+    names = {mode: name for name, mode in MODES.items()}
+    # calibrated on prose: code is held to KL <= 0.035, ppl <= +4 %, top-1 >= 0.90
+    results = {
+        "prose": {
+            names["w8a8"]: EvalResult("x", 100, 10.0, 10.25, kl=0.029, top1=0.95)
+        },
+        "code": {names["w8a8"]: EvalResult("x", 100, 10.0, 10.35, kl=0.034, top1=0.91)},
+    }
+    info = {
+        names["w8a8"]: dict(
+            seconds=1.0,
+            ratio=1.0,
+            float=2,
+            linears=30,
+            report=None,
+            phases={},
+            fa_seconds=0.0,
+        )
+    }
+    records = accuracy_records(results, info, {"calib_domain": "prose"})
+    by_mode = {r.mode: r for r in records}
+    assert by_mode["w8a8 code KL"].goal == "<= 0.035"
+    assert by_mode["w8a8 code KL"].verdict == "ok"
+    assert by_mode["w8a8 code ppl delta %"].goal == "<= 4"
+    assert by_mode["w8a8 prose KL"].goal == "<= 0.03"
+    assert by_mode["w8a8 prose ppl delta %"].verdict == "ok"
+    assert "w8a8_dynamic prose KL" not in by_mode  # not a row of this run
+    variants = dict.fromkeys(MODES)
+    assert list(selected(variants, "w8a8, faquant")) == [
+        names["faquant"],
+        names["w8a8"],
+    ]
+    assert list(selected(variants, "")) == list(MODES)
+    with pytest.raises(SystemExit, match="--recipes 'w4a8'"):
+        selected(variants, "w8a8,w4a8")
+
+
+def test_the_packaged_calibration_set_labels_its_domains():
+    from ascend_fa.calibration.data import calib_domain_texts, load_calib_texts
+
+    texts = load_calib_texts()
+    by = {d: calib_domain_texts(d) for d in ("prose", "code", "numbers")}
+    assert sum(len(v) for v in by.values()) == len(texts)
+    assert sorted(t for v in by.values() for t in v) == sorted(texts)
+    assert len(by["code"]) == 10 and len(by["prose"]) == 23
+    assert all(
+        t.lstrip().startswith(
+            ("def ", "import", "#", "SELECT", "class", "function", "fn ")
+        )
+        for t in by["code"]
+    )
+    with pytest.raises(ValueError, match="calibration domain 'poetry'"):
+        calib_domain_texts("poetry")
+
+
 def test_check_results_accepts_written_files_and_names_bad_fields(tmp_path):
     from ascend_fa.benchmarks.results import check_results
 

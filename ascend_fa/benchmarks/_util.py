@@ -122,7 +122,7 @@ def accuracy_setup(args: Any) -> AccuracySetup:
     calibration and held-out texts, at the ``--quick`` sizes when asked."""
     import torch
 
-    from ascend_fa.calibration.data import load_calib_texts
+    from ascend_fa.calibration.data import calib_domain_texts, load_calib_texts
     from ascend_fa.calibration.methods import calibration_split
     from ascend_fa.evaluation import load_eval_text, token_windows
     from ascend_fa.models import load_model
@@ -134,7 +134,11 @@ def accuracy_setup(args: Any) -> AccuracySetup:
     t0 = time.perf_counter()
     loaded = load_model(args.model, args.gguf_file)
     load_s = time.perf_counter() - t0
-    calib = calibration_split(load_calib_texts(), n)
+    domain = getattr(args, "calib_domain", "all")
+    if domain == "all":
+        calib = calibration_split(load_calib_texts(), n)
+    else:  # one domain's samples, all of them (the subsets are small)
+        calib = calibration_split(calib_domain_texts(domain), n, heldout=0)
     windows = {
         d: token_windows(
             loaded.tokenizer, load_eval_text(d), window=512, max_tokens=max_eval

@@ -32,6 +32,8 @@ from ascend_fa.safe_files import read_text
 __all__ = [
     "MAX_CALIB_BYTES",
     "TEXT_FIELDS",
+    "CALIB_DOMAINS",
+    "calib_domain_texts",
     "default_calib_path",
     "load_calib_texts",
     "split_calibration",
@@ -113,6 +115,23 @@ def load_calib_texts(path: str | Path | None = None) -> list[str]:
     if not samples:
         raise FileFormatError(f"{path}: calibration file is empty (no samples)")
     return samples
+
+
+#: The kinds of text the packaged calibration set labels (its ``"domain"`` key).
+CALIB_DOMAINS = ("prose", "code", "numbers")
+
+
+def calib_domain_texts(domain: str) -> list[str]:
+    """The packaged samples of one ``domain`` (:data:`CALIB_DOMAINS`), in file
+    order: prose (narrative, dialogue, chat), code, or numbers and tables. A
+    cross-domain benchmark calibrates on one and evaluates on another."""
+    if domain not in CALIB_DOMAINS:
+        raise ValueError(
+            f"calibration domain {domain!r}; choose one of {', '.join(CALIB_DOMAINS)}"
+        )
+    path = default_calib_path()
+    records = [json.loads(line) for line in path.read_text("utf-8").splitlines()]
+    return [r["text"] for r in records if r.get("domain") == domain]
 
 
 def split_calibration(

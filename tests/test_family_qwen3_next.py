@@ -33,7 +33,7 @@ from ascend_fa.calibration.recipe import load_recipe
 from ascend_fa.cli import main
 from ascend_fa.families import GQA_HYBRID, attention_kind
 from ascend_fa.linear import linear_plan
-from ascend_fa.linear.engine import fold_into_norm, norm_weight_offset
+from ascend_fa.linear.norms import fold_into_norm, norm_weight_offset
 
 NEXT = dict(
     vocab_size=260,
@@ -330,9 +330,16 @@ def test_vllm_ascend_c8_round_trip(src, tmp_path, release):
 
 
 def test_streaming_is_bit_equal_to_the_whole_model(src, tmp_path):
+    """Padded batches (samples of different lengths): each decoder layer run on
+    its own gets its layer type's mask (the full-attention layer a causal one,
+    the linear-attention layers the padding mask)."""
+    data = tmp_path / "calib.jsonl"
+    texts = [f"sample {i}: the quick brown fox" + " jumps" * (3 * i) for i in range(6)]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    extra = ["--target", "mindie", "--calib-data", str(data)]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert _calibrate(src, one, "--target", "mindie") == 0
-    assert _calibrate(src, two, "--target", "mindie", "--streaming") == 0
+    assert _calibrate(src, one, *extra) == 0
+    assert _calibrate(src, two, *extra, "--streaming") == 0
     for f in one.glob("*.safetensors"):
         with safe_open(str(f), "pt") as a, safe_open(str(two / f.name), "pt") as b:
             assert set(a.keys()) == set(b.keys())

@@ -268,6 +268,27 @@ RULES: tuple[Rule, ...] = (
         (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),),
     ),
     Rule(
+        "c8.qwen3-next-unpatched",
+        "vllm-ascend",
+        "C8",
+        ("0.23.0.post1",),
+        frozenset({"Qwen3NextForCausalLM"}),
+        False,
+        "its C8 load_weights patch covers Qwen3 / Glm4Moe / MiniMaxM2 only; "
+        "Qwen3NextModel.load_weights renames <attn>.k_proj.kv_cache_* to "
+        "<attn>.qkv_proj.kv_cache_*, a parameter the model does not have, so the "
+        "full-attention layers' C8 scales never reach the int8 cache",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_next.py",
+                "6365b387890f7aa74b0fe65b81705d4730fcc763",
+                "Qwen3NextModel.load_weights stacked_params_mapping",
+            ),
+        ),
+    ),
+    Rule(
         "c8.unpatched-arch",
         "vllm-ascend",
         "C8",

@@ -39,6 +39,7 @@ from ascend_fa.errors import InputError, UnsupportedError
 
 from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
@@ -334,39 +335,6 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if x.shape[:-1] == mask.shape:
         return x[mask]
     return flat[mask.reshape(-1)]
-
-
-def norm_weight_offset(norm: nn.Module, name: str = "norm") -> float:
-    """0.0 for a norm whose output is ``normalized(x) * weight``, 1.0 for a
-    zero-centred one, ``normalized(x) * (1 + weight)`` (Qwen3-Next's
-    ``Qwen3NextRMSNorm``, vLLM's ``GemmaRMSNorm``), read from the norm itself: a
-    row of ones normalizes to ones (up to ``eps``), so the output is the
-    effective per-channel multiplier. The two candidates differ by 1 in every
-    channel. Anything else is an :class:`UnsupportedError` naming ``name``."""
-    w = norm.weight.detach()
-    with torch.no_grad():
-        y = norm(torch.ones(1, w.shape[-1], dtype=w.dtype, device=w.device))
-    y, wf = y.float().reshape(-1), w.float().reshape(-1)
-    errs = [float((y - (wf + off)).abs().max()) for off in (0.0, 1.0)]
-    best = min(range(2), key=errs.__getitem__)
-    if errs[best] > 0.05 * (1.0 + float(wf.abs().max())):
-        raise UnsupportedError(
-            f"{name}: {type(norm).__name__} scales by neither weight nor 1 + weight;"
-            " smoothing cannot fold into it"
-        )
-    return float(best)
-
-
-def fold_into_norm(norm: nn.Module, s: torch.Tensor, name: str = "norm") -> None:
-    """Divide ``norm``'s effective multiplier by ``s`` ``[K]``: ``weight / s``,
-    or for a zero-centred norm ``(1 + weight) / s - 1`` (computed in float64,
-    stored in the weight's dtype; in bf16 a large factor leaves ``1 + weight``
-    with the absolute precision of the stored value near -1, as msModelSlim's
-    ``weight - 1`` on saving does)."""
-    w = norm.weight.data
-    off = norm_weight_offset(norm, name)
-    folded = (w.double() + off) / s.double().to(w.device) - off
-    w.copy_(folded.to(w.dtype))
 
 
 def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:

@@ -33,7 +33,9 @@ from ascend_fa.calibration.recipe import load_recipe
 from ascend_fa.cli import main
 from ascend_fa.families import GQA_HYBRID, attention_kind
 from ascend_fa.linear import linear_plan
+from ascend_fa.linear.engine import capture_layer_inputs
 from ascend_fa.linear.norms import fold_into_norm, norm_weight_offset
+from ascend_fa.linear.typed_inputs import TYPED_KWARGS, layer_kwargs
 
 NEXT = dict(
     vocab_size=260,
@@ -158,6 +160,24 @@ def test_plan_quantizes_attention_and_in_proj_qkvz_keeps_gates_float():
     for i in range(3):
         a = f"model.layers.{i}.linear_attn"
         assert f"{a}.in_proj_ba" not in names and f"{a}.out_proj" not in names
+
+
+def test_layer_by_layer_with_each_types_inputs_equals_the_model():
+    """A padded batch run decoder layer by decoder layer from the captured inputs
+    (each layer with its type's mask) gives the model's logits at real tokens."""
+    model, tok = _model(), byte_tokenizer()
+    batch = dict(tok(["a longer first sample, padded", "short"], padding=True,
+                     return_tensors="pt"))  # fmt: skip
+    ((hidden, kwargs, mask),) = capture_layer_inputs(model, None, [batch])
+    assert set(kwargs[TYPED_KWARGS]) == {"linear_attention", "full_attention"}
+    with torch.no_grad():
+        for layer in model.model.layers:
+            hidden = layer(hidden, **layer_kwargs(layer, kwargs))
+        got = model.lm_head(model.model.norm(hidden))
+        ref = model(**batch).logits
+    assert torch.equal(got[mask], ref[mask])
+    with pytest.raises(TypeError):  # a call that skips layer_kwargs fails loudly
+        model.model.layers[3](hidden, **kwargs)
 
 
 # -- zero-centred norms ---------------------------------------------------------

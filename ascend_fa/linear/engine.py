@@ -43,6 +43,7 @@ from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
+from .typed_inputs import capture_typed_inputs, layer_kwargs, mixed_layer_types
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -288,12 +289,28 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _token_mask(batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    mask = torch.ones(hidden.shape[:2], dtype=torch.bool) if mask is None else mask
+    return mask.bool().to(hidden.device)
+
+
 def capture_layer_inputs(
     model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
 ) -> list[LayerInputs]:
     """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
     of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
-    forward there (nothing after it runs, nor needs weights)."""
+    forward there (nothing after it runs, nor needs weights). A model whose layers
+    differ by type gets each type's kwargs (:mod:`.typed_inputs`; call layers with
+    :func:`~.typed_inputs.layer_kwargs`)."""
+    types = mixed_layer_types(model)
+    if types is not None:
+        batches = list(batches)
+        typed = capture_typed_inputs(model, _decoder_layers(model), types, batches)
+        return [
+            (hidden.detach(), kwargs, _token_mask(batch, hidden))
+            for (hidden, kwargs), batch in zip(typed, batches, strict=True)
+        ]
     caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
 
     def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -314,13 +331,7 @@ def capture_layer_inputs(
             except _Stop:
                 pass
             hidden, kwargs = caught.pop()
-            mask = batch.get("attention_mask")
-            mask = (
-                torch.ones(hidden.shape[:2], dtype=torch.bool)
-                if mask is None
-                else mask.bool()
-            )
-            out.append((hidden.detach(), kwargs, mask.to(hidden.device)))
+            out.append((hidden.detach(), kwargs, _token_mask(batch, hidden)))
     finally:
         handle.remove()
     return out
@@ -430,7 +441,7 @@ def observe_layer(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -463,7 +474,7 @@ def _count_rows(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -573,7 +584,7 @@ class LinearCheckpoint(Protocol):
 
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
-        out = layer(hidden, **kwargs)
+        out = layer(hidden, **layer_kwargs(layer, kwargs))
         out = out[0] if isinstance(out, tuple) else out
         inputs[i] = (out.detach(), kwargs, mask)
 

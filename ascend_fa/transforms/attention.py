@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.linear.typed_inputs import layer_kwargs
 
 from .common import causal_probs, fake_quant_absmax, first_row_sample
 from .hadamard import random_hadamard
@@ -628,7 +629,7 @@ class LayerwiseTransforms:
                         break
                     with token_mask_scope(self.model, masks[j]):
                         try:
-                            layer(hidden, **kwargs)
+                            layer(hidden, **layer_kwargs(layer, kwargs))
                         except _StopLayer:
                             pass
                     rows += int(hidden.shape[0])

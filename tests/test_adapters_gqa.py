@@ -286,4 +286,5 @@ def test_unsupported_model_type_lists_supported():
         "mistral",
         "qwen2",
         "qwen3",
+        "qwen3_next",
     ]

@@ -209,6 +209,34 @@ def test_smoothing_fold_divides_the_norm_output_by_the_factor(model_type):
     assert torch.allclose(after, before / s, rtol=1e-6, atol=1e-6)
 
 
+def test_zero_centred_fold_returns_the_factor_the_rounded_weight_divides_out():
+    """In bf16, ``(1 + w) / s - 1`` near -1 keeps 2**-8 of absolute precision:
+    the returned factor is what the stored weight really divides out (so the
+    columns times it keep the product exact), and no channel rounds to zero."""
+    norm = _model().model.layers[0].input_layernorm.double()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5, generator=g)
+    old = norm.weight.detach().clone() + 1
+    s = torch.rand(64, generator=g, dtype=torch.float64) * 4 + 0.5
+    s[::4] = 3000.0  # (1 + w) / s far below bf16's step near -1
+    with torch.no_grad():
+        got = fold_into_norm(norm, s, "n", torch.bfloat16)
+    w = norm.weight.detach()
+    assert torch.equal(w, w.to(torch.bfloat16).double())  # stored as bf16 holds it
+    assert ((w + 1) != 0).all()
+    assert torch.allclose((w + 1) * got, old, rtol=1e-12, atol=0)
+    assert not torch.allclose(got, s, rtol=1e-2)  # the rounding is not negligible
+    # a plain norm divides in its own dtype and returns s itself
+    plain = torch.nn.Module()
+    plain.weight = torch.nn.Parameter(torch.rand(64, dtype=torch.float64) + 0.5)
+    plain.forward = lambda x: x * plain.weight
+    before = plain.weight.detach().clone()
+    with torch.no_grad():
+        assert fold_into_norm(plain, s, "p", torch.bfloat16) is s
+    assert torch.equal(plain.weight.detach(), before / s)
+
+
 def test_a_norm_of_another_form_is_refused():
     class Odd(torch.nn.Module):
         def __init__(self):

@@ -348,14 +348,21 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return flat[mask.reshape(-1)]
 
 
-def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
-    """Fold ``s`` ``[K]``: weights' columns times ``s``; the norm weight, or the
-    producing linear's output rows (and bias), divided by it."""
+def _apply_smoothing(
+    model: nn.Module,
+    group: LinearGroup,
+    s: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Fold ``s`` ``[K]``: the norm weight (stored in ``dtype``, the artifact's),
+    or the producing linear's output rows (and bias), divided by it; the weights'
+    columns times the factor the norm really divides out (``s`` itself but for
+    rounding, :func:`~.norms.fold_into_norm`)."""
+    if group.norm is not None:
+        s = fold_into_norm(model.get_submodule(group.norm), s, group.norm, dtype)
     for name in group.linears:
         lin = model.get_submodule(name)
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
-    if group.norm is not None:
-        fold_into_norm(model.get_submodule(group.norm), s, group.norm)
     if group.fold is not None:
         src = model.get_submodule(group.fold)
         rows = s
@@ -508,7 +515,7 @@ def decide_layer(
             head_dim=group.head_dim,
         )
         if decision.smooth is not None:
-            _apply_smoothing(model, group, decision.smooth)
+            _apply_smoothing(model, group, decision.smooth, config.dtype)
         floats = {n: model.get_submodule(n) for n in group.linears}
         record = GroupRecord(group, config.quant_type, decision, float_modules=floats)
         try:

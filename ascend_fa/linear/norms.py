@@ -37,13 +37,37 @@ def norm_weight_offset(norm: nn.Module, name: str = "norm") -> float:
     return float(best)
 
 
-def fold_into_norm(norm: nn.Module, s: torch.Tensor, name: str = "norm") -> None:
-    """Divide ``norm``'s effective multiplier by ``s`` ``[K]``: ``weight / s``,
-    or for a zero-centred norm ``(1 + weight) / s - 1`` (computed in float64,
-    stored in the weight's dtype; in bf16 a large factor leaves ``1 + weight``
-    with the absolute precision of the stored value near -1, as msModelSlim's
-    ``weight - 1`` on saving does)."""
+def fold_into_norm(
+    norm: nn.Module,
+    s: torch.Tensor,
+    name: str = "norm",
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Divide ``norm``'s effective multiplier ``m`` (``weight``, or ``1 + weight``
+    for a zero-centred norm) by ``s`` ``[K]`` and return the factor it really
+    divides out, ``m_old / m_new``, for the readers' columns (``s`` for a plain
+    norm, whose ``weight / s`` keeps its relative precision).
+
+    A zero-centred norm's new weight is computed in float64 and rounded to
+    ``dtype`` (the artifact's; the weight's own by default), the precision the
+    consumer runs it at. A large ``s`` puts the stored weight near -1, where ``1 +
+    weight`` keeps only the absolute precision of that value (bf16: 2**-8): the
+    returned factor then differs from ``s`` by that rounding, and taking it for
+    the columns keeps the product exact. A multiplier that would round to zero is
+    kept one step away from it (a channel is never dropped)."""
     w = norm.weight.data
-    off = norm_weight_offset(norm, name)
-    folded = (w.double() + off) / s.double().to(w.device) - off
-    w.copy_(folded.to(w.dtype))
+    if not norm_weight_offset(norm, name):
+        # weight / s keeps its relative precision: the columns take s itself
+        w.div_(s.to(w))
+        return s
+    dtype = dtype or w.dtype
+    old = w.double() + 1.0
+    target = old / s.double().to(w.device) - 1.0
+    stored = target.to(dtype).double()
+    eps = float(torch.finfo(dtype).eps)
+    lost = (stored == -1.0) & (old != 0)
+    step = torch.where(target > -1.0, eps / 2, -eps)
+    stored = torch.where(lost, (step - 1.0).to(dtype).double(), stored)
+    w.copy_(stored.to(w.dtype))
+    new = w.double() + 1.0
+    return torch.where((old == 0) | (new == 0), s.double(), old / new).to(s.dtype)

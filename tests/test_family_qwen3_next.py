@@ -27,11 +27,12 @@ from ascend_fa.adapters import get_adapter, injected_points
 from ascend_fa.adapters.hf import swapped_points
 from ascend_fa.artifact import DESCRIPTION_FILE, inspect_artifact
 from ascend_fa.calibration.job import default_recipe_path
-from ascend_fa.calibration.kv import KVCalibration, rotary_dim
+from ascend_fa.calibration.kv import KVCalibration
 from ascend_fa.calibration.pipeline import calibrate_model
 from ascend_fa.calibration.recipe import load_recipe
 from ascend_fa.cli import main
 from ascend_fa.families import GQA_HYBRID, attention_kind
+from ascend_fa.hf_compat import rotary_dim
 from ascend_fa.linear import linear_plan
 from ascend_fa.linear.engine import capture_layer_inputs
 from ascend_fa.linear.norms import fold_into_norm, norm_weight_offset
@@ -331,13 +332,55 @@ def test_mindie_default_linears_round_trip(src, tmp_path, capsys):
         assert desc[f"{FULL}.{p}_proj.weight"] == "W8A8"
     for i in range(3):
         a = f"model.layers.{i}.linear_attn"
-        assert desc[f"{a}.in_proj_qkvz.weight"] == "W8A8"
+        assert desc[f"{a}.in_proj_qkvz.weight"] == "W8A8_DYNAMIC"
         for float_name in ("in_proj_ba.weight", "out_proj.weight", "conv1d.weight"):
             assert desc[f"{a}.{float_name}"] == "FLOAT"
         assert f"{a}.fa_q.scale" not in names
     capsys.readouterr()
     _eval(src, out)
     assert "artifact" in capsys.readouterr().out
+    assert main(["inspect", str(out), "--target", "mindie"]) == 0
+    printed = capsys.readouterr().out
+    assert "[mindie.no-model]" in printed and "Qwen3NextForCausalLM" in printed
+
+
+def test_mindie_default_quantizes_the_experts(src, tmp_path):
+    """>= 90 % of the linear weight elements int8; every routed expert and the
+    shared expert per token under the checkpoint's per-expert names, codes equal to
+    a naive per-row quantizer; routers and shared_expert_gate float."""
+    from test_family_moe import _naive, _tensors
+
+    out = tmp_path / "mindie"
+    assert _calibrate(src, out, "--target", "mindie") == 0
+    desc = json.loads((out / DESCRIPTION_FILE).read_text())
+    assert desc["model_quant_type"] == "W8A8"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["moe_quantize"] == "w8a8_dynamic"
+    tensors, source = _tensors(out), _tensors(src)
+    total = int8 = 0
+    for name, t in source.items():
+        if t.dim() != 2 or "norm" in name or "embed" in name or "lm_head" in name:
+            continue
+        total += t.numel()
+        if desc.get(name) in ("W8A8", "W8A8_DYNAMIC"):
+            int8 += t.numel()
+            assert tensors[name].dtype == torch.int8, name
+    assert int8 / total >= 0.9, int8 / total
+    experts = [n for n in source if ".mlp.experts." in n]
+    assert len(experts) == 4 * 8 * 3
+    for name in experts:
+        assert desc[name] == "W8A8_DYNAMIC", name
+        codes, scales = _naive(source[name])
+        prefix = name.removesuffix(".weight")
+        assert torch.equal(tensors[name], codes), name
+        assert torch.equal(tensors[f"{prefix}.weight_scale"].reshape(-1), scales)
+    for i in range(4):
+        m = f"model.layers.{i}.mlp"
+        assert desc[f"{m}.gate.weight"] == desc[f"{m}.shared_expert_gate.weight"]
+        assert desc[f"{m}.gate.weight"] == "FLOAT"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert desc[f"{m}.shared_expert.{proj}.weight"] == "W8A8_DYNAMIC"
+    assert not [k for k in desc if "gate_up_proj" in k]
 
 
 def test_vllm_fp8_scales_on_the_full_attention_layer_only(src, tmp_path):

@@ -70,7 +70,6 @@ __all__ = [
     "fp8_rounding_flag",
     "recipe_settings",
     "rope_pair_norms",
-    "rotary_dim",
 ]
 
 KV_MODES = ("c8", "fp8")
@@ -95,21 +94,6 @@ def fp8_rounding_flag(value: object) -> str:
             "the default) or trunc (its CPU cache write, toward zero)"
         )
     return value
-
-
-def rotary_dim(config: Any) -> int | None:
-    """How many leading channels of a head RoPE rotates: ``partial_rotary_factor *
-    head_dim`` (transformers 5 keeps the factor in ``rope_parameters``, 4.x on the
-    config), None when the whole head is rotated."""
-    rope = getattr(config, "rope_parameters", None)
-    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
-    if factor is None:
-        factor = getattr(config, "partial_rotary_factor", None)
-    if factor is None or float(factor) == 1.0:
-        return None
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return int(head_dim * float(factor))
 
 
 def rope_pair_norms(x: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:

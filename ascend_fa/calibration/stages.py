@@ -157,20 +157,20 @@ def observe_attention(
     pass, or the layer-major one: streaming reads each layer once and is
     resumable after each layer); KV-cache scales at the same points in the same
     forwards."""
-    from .kv import KVCalibration, recipe_settings, rotary_dim
+    from ascend_fa.hf_compat import rotary_dim
+
+    from .kv import KVCalibration, recipe_settings
     from .pipeline import calibrate_model
 
     net = source.net
     kv_mode = source.kv_mode(plan.target)
     kv = None
     if kv_mode is not None:
-        # K's pair-norm ranges over the rotated channels only (partial RoPE:
-        # Qwen3-Next rotates the first partial_rotary_factor * D channels).
         kv = KVCalibration(
             kv_mode,
             settings=recipe_settings(plan.recipe),
             max_tokens=len(plan.calib) * plan.max_length,
-            rotary_dim=rotary_dim(net.config),
+            rotary_dim=rotary_dim(net.config),  # partial RoPE: only those pairs
         )
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = dict(

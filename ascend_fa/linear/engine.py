@@ -36,6 +36,7 @@ from torch import nn
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import moe_layout
 
 from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
@@ -43,7 +44,7 @@ from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
-from .typed_inputs import capture_typed_inputs, layer_kwargs, mixed_layer_types
+from .typed_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -115,8 +116,6 @@ _PHASES = (
     "propagate",
     "checkpoint",
 )
-#: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
-LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -270,10 +269,6 @@ class LinearResult:
         }
 
 
-class _Stop(Exception):
-    """Raised by a capture hook to end a forward early."""
-
-
 def swap_group(model: nn.Module, modules: dict[str, nn.Module]) -> None:
     """Put each ``name -> module`` in place (``set_submodule``)."""
     for name, module in modules.items():
@@ -287,54 +282,6 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"{type(model).__name__}: no model.layers decoder stack to calibrate"
         )
     return layers
-
-
-def _token_mask(batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
-    mask = batch.get("attention_mask")
-    mask = torch.ones(hidden.shape[:2], dtype=torch.bool) if mask is None else mask
-    return mask.bool().to(hidden.device)
-
-
-def capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
-) -> list[LayerInputs]:
-    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
-    of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
-    forward there (nothing after it runs, nor needs weights). A model whose layers
-    differ by type gets each type's kwargs (:mod:`.typed_inputs`; call layers with
-    :func:`~.typed_inputs.layer_kwargs`)."""
-    types = mixed_layer_types(model)
-    if types is not None:
-        batches = list(batches)
-        typed = capture_typed_inputs(model, _decoder_layers(model), types, batches)
-        return [
-            (hidden.detach(), kwargs, _token_mask(batch, hidden))
-            for (hidden, kwargs), batch in zip(typed, batches, strict=True)
-        ]
-    caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
-
-    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        caught.append(
-            (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        )
-        raise _Stop
-
-    # Prepended: runs before any other pre-hook of the layer (a streamed model's
-    # loader), so capturing reads none of the layer's weights.
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
-    out = []
-    try:
-        for batch in batches:
-            try:
-                model(**batch, use_cache=False)
-            except _Stop:
-                pass
-            hidden, kwargs = caught.pop()
-            out.append((hidden.detach(), kwargs, _token_mask(batch, hidden)))
-    finally:
-        handle.remove()
-    return out
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -380,7 +327,7 @@ def _quantize_group(
     for name in group.linears:
         lin = model.get_submodule(name)
         bias = lin.bias.detach() if lin.bias is not None else None
-        if config.quant_type == "W8A8":
+        if group.linear_type(config.quant_type) == "W8A8":
             q: QuantizedLinear = W8A8Linear.from_float(
                 lin.weight,
                 bias,
@@ -498,9 +445,9 @@ def decide_layer(
     """Step 2 of one layer: per group, last group first, choose smoothing and
     range, fold the smoothing into the float weights and build the quantized
     modules (not put in place yet). Returns the records in plan order."""
-    dynamic = config.quant_type == "W8A8_DYNAMIC"
     layer_records = []
     for group in reversed(plan.groups):
+        dynamic = group.linear_type(config.quant_type) == "W8A8_DYNAMIC"
         weight = torch.cat(
             [model.get_submodule(n).weight.detach() for n in group.linears]
         )
@@ -517,7 +464,9 @@ def decide_layer(
         if decision.smooth is not None:
             _apply_smoothing(model, group, decision.smooth, config.dtype)
         floats = {n: model.get_submodule(n) for n in group.linears}
-        record = GroupRecord(group, config.quant_type, decision, float_modules=floats)
+        record = GroupRecord(
+            group, group.linear_type(config.quant_type), decision, float_modules=floats
+        )
         try:
             record.quant_modules = dict(_quantize_group(model, group, decision, config))
         except UnsupportedError as exc:
@@ -533,7 +482,10 @@ def _experts_record(
     """The routed experts of one layer as W8A8_DYNAMIC (:mod:`.experts`)."""
     name = group.linears[0]
     float_mod = model.get_submodule(name)
-    quant = W8A8DynamicExperts.from_float(float_mod, dtype=config.dtype, name=name)
+    layout = moe_layout(getattr(model.config, "model_type", None))
+    quant = W8A8DynamicExperts.from_float(
+        float_mod, dtype=config.dtype, name=name, layout=layout
+    )
     params = list(float_mod.parameters())
     quant = quant.to(params[0].device if params else "cpu")
     return GroupRecord(
@@ -680,9 +632,10 @@ def quantize_linears(
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)
         lap("fallback")
-        if plan.experts is not None and config.quant_type == "W8A8_DYNAMIC":
-            # Not a fallback candidate: no activation range to choose, and the
-            # cap counts the checkpoint's linears (3 per expert).
+        if plan.experts is not None:
+            # Per token under either --linear (msModelSlim's MoE recipes); not
+            # a fallback candidate: no activation range to choose, and the cap
+            # counts the checkpoint's linears (3 per expert).
             layer_records.append(_experts_record(model, plan.experts, config))
         place_layer(model, layer_records)
         if not keep_floats:

@@ -1,10 +1,12 @@
-"""Layer inputs of decoders whose layers differ by type (``config.layer_types``).
+"""The inputs of decoder layers, captured once for a layer-sequential pass, and
+those of decoders whose layers differ by type (``config.layer_types``).
 
-A layer-sequential pass (:func:`.engine.capture_layer_inputs`, the calibration's
-layer-major pass) captures what the first decoder layer receives and runs every
-layer with those keyword arguments. A hybrid model computes one mask per layer
-type: Qwen3-Next hands its ``full_attention`` layers a causal mask and its
-``linear_attention`` layers the recurrent (padding) mask (transformers
+A layer-sequential pass (the linear calibration's, the attention calibration's
+layer-major pass) captures what the first decoder layer receives
+(:func:`capture_layer_inputs`) and runs every layer with those keyword
+arguments. A hybrid model computes one mask per layer type: Qwen3-Next hands
+its ``full_attention`` layers a causal mask and its ``linear_attention``
+layers the recurrent (padding) mask (transformers
 ``models/qwen3_next/modeling_qwen3_next.py`` ``Qwen3NextModel.forward``,
 ``causal_mask_mapping[self.config.layer_types[i]]``, v5.25.0), so the first
 layer's arguments are wrong for the others (with padding, SDPA refuses the 2-D
@@ -25,7 +27,9 @@ from torch import nn
 from ascend_fa.errors import UnsupportedError
 
 __all__ = [
+    "LayerInputs",
     "TYPED_KWARGS",
+    "capture_layer_inputs",
     "capture_typed_inputs",
     "decoder_layer_type",
     "layer_kwargs",
@@ -34,10 +38,12 @@ __all__ = [
 
 #: The captured kwargs' key holding ``{layer type: kwargs}``.
 TYPED_KWARGS = "ascend_fa_typed_kwargs"
+#: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
+LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
 
 class _Stop(Exception):
-    """Ends the forward once every layer type's inputs are captured."""
+    """Ends a capturing forward early."""
 
 
 def mixed_layer_types(model: nn.Module) -> list[str] | None:
@@ -116,4 +122,61 @@ def capture_typed_inputs(
     finally:
         for i, layer in enumerate(real):
             layers[i] = layer
+    return out
+
+
+def _stack(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedError(
+            f"{type(model).__name__}: no model.layers decoder stack to calibrate"
+        )
+    return layers
+
+
+def _token_mask(batch: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    mask = batch.get("attention_mask")
+    mask = torch.ones(hidden.shape[:2], dtype=torch.bool) if mask is None else mask
+    return mask.bool().to(hidden.device)
+
+
+def capture_layer_inputs(
+    model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
+) -> list[LayerInputs]:
+    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
+    of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
+    forward there (nothing after it runs, nor needs weights). A model whose layers
+    differ by type gets each type's kwargs (:mod:`.typed_inputs`; call layers with
+    :func:`~.typed_inputs.layer_kwargs`)."""
+    types = mixed_layer_types(model)
+    if types is not None:
+        batches = list(batches)
+        typed = capture_typed_inputs(model, _stack(model), types, batches)
+        return [
+            (hidden.detach(), kwargs, _token_mask(batch, hidden))
+            for (hidden, kwargs), batch in zip(typed, batches, strict=True)
+        ]
+    caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
+
+    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        caught.append(
+            (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        )
+        raise _Stop
+
+    # Prepended: runs before any other pre-hook of the layer (a streamed model's
+    # loader), so capturing reads none of the layer's weights.
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
+    out = []
+    try:
+        for batch in batches:
+            try:
+                model(**batch, use_cache=False)
+            except _Stop:
+                pass
+            hidden, kwargs = caught.pop()
+            out.append((hidden.detach(), kwargs, _token_mask(batch, hidden)))
+    finally:
+        handle.remove()
     return out

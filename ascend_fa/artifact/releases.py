@@ -406,7 +406,12 @@ RULES: tuple[Rule, ...] = (
                 _MINDIE300,
                 "get_model: no minimax / qwen3_next folder, 'unsupported model type'",
             ),
-            Citation(MINDIE, "mindie_llm/runtime/models", _MINDIE300, "no qwen3_next"),
+            Citation(
+                MINDIE,
+                "mindie_llm/runtime/models/__init__.py",
+                _MINDIE300,
+                "get_router_ins: no qwen3_next folder, 'unsupported model type'",
+            ),
         ),
         caveat=True,
     ),

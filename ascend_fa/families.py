@@ -25,6 +25,10 @@ model_type     kind    notes
                        under ``block_sparse_moe``
 ``minimax_m2`` gqa     partial RoPE, full-width q_norm / k_norm; MoE as
                        mixtral
+``qwen3_next``  gqa_   Gated DeltaNet ``linear_attention`` layers and
+               hybrid  gated ``full_attention`` layers (q_proj also gives
+                       a per-channel output gate; q_norm / k_norm;
+                       partial RoPE); MoE with a gated shared expert
 =============  ======  ===============================================
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
@@ -41,6 +45,7 @@ __all__ = [
     "FAMILIES",
     "GQA",
     "GQA_MOE",
+    "GQA_HYBRID",
     "MLA",
     "AttentionKind",
     "attention_kind",
@@ -110,6 +115,32 @@ MLA = AttentionKind(
     carried_layers=True,
 )
 
+#: Qwen3-Next: only ``config.layer_types`` ``"full_attention"`` layers have softmax
+#: attention (``self_attn``, the GQA adapter's layout); the ``"linear_attention"``
+#: layers (``linear_attn``, Gated DeltaNet) keep a recurrent state that no consumer
+#: quantizes: vLLM builds it as a mamba-style state whose dtype comes from
+#: ``--mamba-cache-dtype`` / ``--mamba-ssm-cache-dtype``, not the KV-cache dtype
+#: (vllm-project/vllm ``vllm/model_executor/models/qwen3_next.py`` @002d6073
+#: ``get_mamba_state_dtype_from_config``), so FA / C8 / FP8 scales sit on the
+#: full-attention layers only. No residual rotation (zero-centred ``1 + w`` norms
+#: and the linear-attention projections would need their own folds) and no paged
+#: emulation (it carries softmax K/V between decode steps, not the recurrent state).
+GQA_HYBRID = AttentionKind(
+    name="gqa_hybrid",
+    adapter="GQAAdapter",
+    fa_quant_type="FAQuant",
+    observed="full-attention layers only: Q after q_norm and RoPE [B, H, S, D] "
+    "(the output gate split off q_proj stays float); K, V before repeat_kv "
+    "[B, Hkv, T, D]",
+    rope="rotate-half pairs (i, i + r/2) over the first r = partial_rotary_factor "
+    "* D channels; the rest pass unrotated",
+    linear_plan="qwen3_next",
+    residual_rotation=False,
+    paged_emulation=False,
+    kv_cache_targets=True,
+    carried_layers=False,
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -122,6 +153,7 @@ FAMILIES: dict[str, AttentionKind] = {
     "glm4_moe": GQA_MOE,
     "mixtral": GQA_MOE,
     "minimax_m2": GQA_MOE,
+    "qwen3_next": GQA_HYBRID,
 }
 
 
@@ -162,6 +194,7 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {
     "glm4_moe": MoeLayout(shared="shared_experts"),
     "mixtral": _MIXTRAL_MOE,
     "minimax_m2": _MIXTRAL_MOE,
+    "qwen3_next": MoeLayout(shared="shared_expert", shared_gate="shared_expert_gate"),
 }
 
 

@@ -11,7 +11,12 @@ model_type        adapter                              fa_quant_type
 ``qwen3``         :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``mistral``       :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``deepseek_v3``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
+``qwen3_next``    :class:`.gqa.GQAAdapter`             ``FAQuant``
 ================  ===================================  =============
+
+Qwen3-Next's ``full_attention`` layers (``self_attn``) have the GQA layout and are
+the only ones the adapter finds; its ``linear_attention`` layers (``linear_attn``,
+Gated DeltaNet) have no ``q_proj`` and get no FA point.
 
 Every adapter implements ``inject_fa3_placeholders(root_name, root_module,
 should_inject)`` (seed interface), ``remove_fa3_placeholders(root_module)``,

@@ -1,4 +1,7 @@
-"""FAQuant adapter for transformers' GQA/MHA decoders: llama, qwen2, qwen3, mistral.
+"""FAQuant adapter for transformers' GQA/MHA decoders: llama, qwen2, qwen3, mistral,
+and the full-attention layers of qwen3_next (gated attention: its ``q_proj`` gives
+the query and a per-channel output gate; the attention function receives the query
+alone, after ``q_norm`` and partial RoPE, and the gate multiplies the output after).
 
 The registered attention function (see :mod:`.base`) runs the module's
 ``fa_q``/``fa_k``/``fa_v`` on

@@ -158,6 +158,7 @@ _ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -282,6 +283,27 @@ RULES: tuple[Rule, ...] = (
         (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),),
     ),
     Rule(
+        "c8.qwen3-next-unpatched",
+        "vllm-ascend",
+        "C8",
+        ("0.23.0.post1",),
+        frozenset({"Qwen3NextForCausalLM"}),
+        False,
+        "its C8 load_weights patch covers Qwen3 / Glm4Moe / MiniMaxM2 only; "
+        "Qwen3NextModel.load_weights renames <attn>.k_proj.kv_cache_* to "
+        "<attn>.qkv_proj.kv_cache_*, a parameter the model does not have, so the "
+        "full-attention layers' C8 scales never reach the int8 cache",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_next.py",
+                "6365b387890f7aa74b0fe65b81705d4730fcc763",
+                "Qwen3NextModel.load_weights stacked_params_mapping",
+            ),
+        ),
+    ),
+    Rule(
         "c8.unpatched-arch",
         "vllm-ascend",
         "C8",
@@ -372,7 +394,7 @@ RULES: tuple[Rule, ...] = (
         "mindie",
         "FAQuant",
         ("3.0.0",),
-        frozenset({"MiniMaxM2ForCausalLM"}),
+        frozenset({"MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM"}),
         True,
         "MindIE has no model for this architecture (no atb_llm/models entry): the "
         "artifact is in msModelSlim's format, but no MindIE release in the table "
@@ -382,7 +404,13 @@ RULES: tuple[Rule, ...] = (
                 MINDIE,
                 "examples/atb_models/atb_llm/models/__init__.py",
                 _MINDIE300,
-                "no minimax",
+                "get_model: no minimax / qwen3_next folder, 'unsupported model type'",
+            ),
+            Citation(
+                MINDIE,
+                "mindie_llm/runtime/models/__init__.py",
+                _MINDIE300,
+                "get_router_ins: no qwen3_next folder, 'unsupported model type'",
             ),
         ),
         caveat=True,

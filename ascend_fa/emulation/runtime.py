@@ -169,6 +169,13 @@ class QuantizedKVRuntime:
         config = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         kind = attention_kind(model_type)
+        if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError(
+                f"model type {model_type!r} is not supported by the paged "
+                "emulation: its linear_attention layers (Gated DeltaNet) carry a "
+                "recurrent state between decode steps that the paged runtime does "
+                "not keep (only softmax K/V); use ascend-fa eval for its accuracy"
+            )
         if kind is None or not kind.paged_emulation:
             raise ValueError(
                 f"model type {model_type!r} is not supported by the paged emulation "

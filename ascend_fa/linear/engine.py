@@ -40,9 +40,11 @@ from ascend_fa.families import moe_layout
 
 from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
+from .typed_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -114,8 +116,6 @@ _PHASES = (
     "propagate",
     "checkpoint",
 )
-#: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
-LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -269,10 +269,6 @@ class LinearResult:
         }
 
 
-class _Stop(Exception):
-    """Raised by a capture hook to end a forward early."""
-
-
 def swap_group(model: nn.Module, modules: dict[str, nn.Module]) -> None:
     """Put each ``name -> module`` in place (``set_submodule``)."""
     for name, module in modules.items():
@@ -288,44 +284,6 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
-) -> list[LayerInputs]:
-    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
-    of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
-    forward there (nothing after it runs, nor needs weights)."""
-    caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
-
-    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        caught.append(
-            (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        )
-        raise _Stop
-
-    # Prepended: runs before any other pre-hook of the layer (a streamed model's
-    # loader), so capturing reads none of the layer's weights.
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
-    out = []
-    try:
-        for batch in batches:
-            try:
-                model(**batch, use_cache=False)
-            except _Stop:
-                pass
-            hidden, kwargs = caught.pop()
-            mask = batch.get("attention_mask")
-            mask = (
-                torch.ones(hidden.shape[:2], dtype=torch.bool)
-                if mask is None
-                else mask.bool()
-            )
-            out.append((hidden.detach(), kwargs, mask.to(hidden.device)))
-    finally:
-        handle.remove()
-    return out
-
-
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``): a view
     when every token is real (no copy), else the selected rows."""
@@ -337,15 +295,21 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return flat[mask.reshape(-1)]
 
 
-def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
-    """Fold ``s`` ``[K]``: weights' columns times ``s``; the norm weight, or the
-    producing linear's output rows (and bias), divided by it."""
+def _apply_smoothing(
+    model: nn.Module,
+    group: LinearGroup,
+    s: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Fold ``s`` ``[K]``: the norm weight (stored in ``dtype``, the artifact's),
+    or the producing linear's output rows (and bias), divided by it; the weights'
+    columns times the factor the norm really divides out (``s`` itself but for
+    rounding, :func:`~.norms.fold_into_norm`)."""
+    if group.norm is not None:
+        s = fold_into_norm(model.get_submodule(group.norm), s, group.norm, dtype)
     for name in group.linears:
         lin = model.get_submodule(name)
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
-    if group.norm is not None:
-        norm = model.get_submodule(group.norm)
-        norm.weight.data.div_(s.to(norm.weight))
     if group.fold is not None:
         src = model.get_submodule(group.fold)
         rows = s
@@ -431,7 +395,7 @@ def observe_layer(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -464,7 +428,7 @@ def _count_rows(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -498,7 +462,7 @@ def decide_layer(
             head_dim=group.head_dim,
         )
         if decision.smooth is not None:
-            _apply_smoothing(model, group, decision.smooth)
+            _apply_smoothing(model, group, decision.smooth, config.dtype)
         floats = {n: model.get_submodule(n) for n in group.linears}
         record = GroupRecord(
             group, group.linear_type(config.quant_type), decision, float_modules=floats
@@ -579,7 +543,7 @@ class LinearCheckpoint(Protocol):
 
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
-        out = layer(hidden, **kwargs)
+        out = layer(hidden, **layer_kwargs(layer, kwargs))
         out = out[0] if isinstance(out, tuple) else out
         inputs[i] = (out.detach(), kwargs, mask)
 

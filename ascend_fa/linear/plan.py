@@ -257,8 +257,46 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     return LayerPlan(i, p, groups + mlp, experts)
 
 
+def _qwen3_next_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+    """Qwen3-Next: a full-attention layer takes the GQA attention groups (its
+    q_proj's rows are query and output gate, one input; ``o_proj`` reads the gated
+    attention output, which the gate scales per channel, so the smoothing still
+    folds into ``v_proj``'s rows); a linear-attention layer quantizes
+    ``in_proj_qkvz`` without smoothing and keeps ``in_proj_ba`` (the decay and
+    beta gates) and ``out_proj`` (behind the gated RMSNorm) float, as
+    msModelSlim's Qwen3-Next recipe does (msmodelslim 26.1.0
+    ``lab_practice/qwen3_next/qwen3-next-80b-a3b-w8a8.yaml``: ``*self_attn*``
+    but ``o_proj``, ``*mlp.experts*``, ``*linear_attn.in_proj_qkvz*``; its
+    adapter smooths only the full-attention q/k/v, ``model/qwen3_next/
+    model_adapter.py``). vllm-ascend loads ``in_proj_qkvz`` and ``in_proj_ba``
+    as two linears (``vllm_ascend/ops/gdn.py`` @182b75e ``forward``), so they
+    need not share a precision; its ``"in_proj"`` packed entry
+    (``quantization/modelslim_config.py``) names no module of this model.
+    ``o_proj`` is quantized: vllm-ascend builds it as a quantizable
+    ``RowParallelLinear`` (vllm-project/vllm ``models/qwen3_next.py``
+    @002d6073). ``in_proj_qkvz`` is per token (``dynamic``) whatever ``--linear``
+    says: msModelSlim's recipe quantizes it ``w8a8_dynamic``, the form
+    vllm-ascend's nightly Qwen3-Next W8A8 test loads
+    (``tests/e2e/nightly/single_node/models/test_qwen3_next_w8a8.py`` @v0.13.0),
+    and with no smoothing a static per-tensor range would take the hidden
+    states' outlier channels whole. The MLP is the MoE core's
+    (:func:`_mlp_groups`: shared expert and routed experts per token,
+    ``shared_expert_gate`` and the router float)."""
+    p = f"model.layers.{i}"
+    if cfg.layer_types[i] == "full_attention":
+        return _gqa_layer(model, cfg, i)
+    a = f"{p}.linear_attn"
+    qkvz = LinearGroup(f"{a}.qkvz", "qkvz", (f"{a}.in_proj_qkvz",), dynamic=True)
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
+    return LayerPlan(i, p, [qkvz, *mlp], experts)
+
+
 #: An attention kind's ``linear_plan`` -> the builder of one layer's plan.
-_LAYER_PLANS = {"gqa": _gqa_layer, "deepseek_v3": _deepseek_layer}
+_LAYER_PLANS = {
+    "gqa": _gqa_layer,
+    "deepseek_v3": _deepseek_layer,
+    "qwen3_next": _qwen3_next_layer,
+}
 
 
 def linear_plan(model: nn.Module) -> list[LayerPlan]:

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.linear.typed_inputs import layer_kwargs
 
 from .common import causal_probs, fake_quant_absmax, first_row_sample
 from .hadamard import random_hadamard
@@ -384,7 +385,21 @@ def _check_supported(
         for _, module in modules:
             _linear(module, "kv_b_proj")
         return
-    factor = getattr(cfg, "partial_rotary_factor", 1.0) or 1.0
+    rope = getattr(cfg, "rope_parameters", None)
+    factor = (
+        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    ) or (getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
+    for name, module in modules:
+        heads, _, dim = _geometry(module)
+        if _linear(module, "q_proj").out_features == 2 * heads * dim:
+            # Qwen3-Next: o_proj reads attn_output * sigmoid(gate); a rotation of
+            # V mixes the channels the gate scales one by one, and Q's factor
+            # would land on q_norm's zero-centred (1 + w) weight.
+            raise UnsupportedError(
+                f"{name}: gated attention (q_proj gives query and output gate); "
+                "attention transforms are not folded into it, run without "
+                "--transforms"
+            )
     if float(factor) != 1.0:
         raise UnsupportedError(
             f"qk-smoothing needs RoPE over the whole head; partial_rotary_factor is "
@@ -614,7 +629,7 @@ class LayerwiseTransforms:
                         break
                     with token_mask_scope(self.model, masks[j]):
                         try:
-                            layer(hidden, **kwargs)
+                            layer(hidden, **layer_kwargs(layer, kwargs))
                         except _StopLayer:
                             pass
                     rows += int(hidden.shape[0])

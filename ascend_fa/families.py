@@ -17,17 +17,20 @@ model_type     kind    notes
 ``qwen3``      gqa     as llama, per-head q_norm / k_norm before RoPE
 ``mistral``    gqa     as llama
 ``deepseek_v3``  mla   absorbed MLA latent, decoupled RoPE; MoE; MTP layer
+``deepseek_v32`` mla   as deepseek_v3, plus a DSA indexer (kept float)
+``glm_moe_dsa``  mla   as deepseek_v32; "shared" layers reuse the top-k
 =============  ======  ===============================================
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "FAMILIES",
     "GQA",
     "MLA",
+    "MLA_DSA",
     "AttentionKind",
     "attention_kind",
     "is_mla",
@@ -59,6 +62,9 @@ class AttentionKind:
     paged_emulation: bool
     kv_cache_targets: bool
     carried_layers: bool
+    #: the Ascend targets whose consumer reads this kind's FA scales (the others
+    #: get the quantized linears only)
+    fa_targets: tuple[str, ...] = ("mindie", "vllm-ascend")
 
 
 GQA = AttentionKind(
@@ -89,6 +95,22 @@ MLA = AttentionKind(
     carried_layers=True,
 )
 
+#: MLA with a DeepSeek Sparse Attention indexer (``self_attn.indexer``: ``wq_b``,
+#: ``wk``, ``k_norm``, ``weights_proj``; its top-k selection masks the MLA
+#: attention). The adapter and the FA points are MLA's; the indexer runs float, as
+#: the consumers keep it. Neither Ascend consumer reads FA scales for it: the
+#: sparse attention that serves these models has no FAKQuant path (vllm-ascend
+#: ``attention/sfa_v1.py`` at every tag; MindIE 3.0.0 lists FA3 quantization
+#: unsupported for DeepSeek-V3.2 and has no glm_moe_dsa model; the rules and
+#: their citations are :mod:`ascend_fa.artifact.releases`), so those targets
+#: get the quantized linears only.
+MLA_DSA = replace(
+    MLA,
+    observed=MLA.observed + "; the DSA indexer runs float and its top-k mask "
+    "reaches the attention unchanged",
+    fa_targets=(),
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -96,6 +118,8 @@ FAMILIES: dict[str, AttentionKind] = {
     "qwen3": GQA,
     "mistral": GQA,
     "deepseek_v3": MLA,
+    "deepseek_v32": MLA_DSA,
+    "glm_moe_dsa": MLA_DSA,
 }
 
 

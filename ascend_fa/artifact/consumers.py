@@ -28,7 +28,8 @@ vllm-ascend     ``get_quant_config``; msModelSlim removes it); every linear
                 indexes ``quant_description[prefix + ".weight"]``); a tied
                 ``lm_head.weight`` described
 vllm-ascend     ``fa_quant_type`` only ``FAKQuant`` (the one registered FA
-                attention scheme); GQA int8 cache is C8 with
+                attention scheme; none for DeepSeek Sparse Attention, whose
+                SFA backend reads no FA scale); GQA int8 cache is C8 with
                 ``kv_cache_type: "C8"``, scales ``[Hkv*D]``, offsets 0;
                 FAKQuant needs quantized MLA linears with ``weight_scale``
 vllm            compressed-tensors ``quantization_config`` with a
@@ -198,6 +199,15 @@ def _ascend(target: str, v: ArtifactView, names: list[str], out: list[str]) -> N
         )
 
 
+def _reads_fa(target: str, v: ArtifactView) -> bool:
+    """Whether ``target`` reads FA scales for this model (its family's
+    ``fa_targets``: not for DeepSeek Sparse Attention, :mod:`.releases`)."""
+    from ascend_fa.families import attention_kind
+
+    kind = attention_kind(str((v.config or {}).get("model_type")))
+    return kind is None or target in kind.fa_targets
+
+
 def _linears(v: ArtifactView, attn: str) -> list[str]:
     """The MLA projections whose ``weight_scale`` the FAKQuant path reads:
     ``q_proj`` (``q_b_proj`` with a q LoRA) and ``fused_qkv_a_proj`` (``q_a_proj``
@@ -216,6 +226,8 @@ def _mindie(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             "model_quant_type.lower() and accepts only quantized types, not 'float' "
             f"({_MINDIE} models/base/router.py, config.py __check_quantize)"
         )
+    if desc.get("fa_quant_type") is None and not _reads_fa("mindie", v):
+        return  # DeepSeek Sparse Attention: the quantized linears only
     if desc.get("fa_quant_type") not in FA_QUANT_TYPES:
         out.append(
             "fa_quant_type: missing; a mindie artifact carries FAQuant/FAKQuant "
@@ -239,6 +251,15 @@ def _vllm_ascend(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             "attention scheme (quantization/methods/kv_c8.py register_scheme); use "
             "C8 for GQA"
         )
+    if v.mla and fa is None and not _reads_fa("vllm-ascend", v):
+        # DeepSeek Sparse Attention: its SFA backend keeps the latent cache as it
+        # runs it; the artifact carries the quantized linears only
+        if desc.get("model_quant_type") not in LINEAR_QUANT_TYPES:
+            out.append(
+                f"model_quant_type: {desc.get('model_quant_type')!r}; a sparse-"
+                "attention artifact without attention scales needs quantized linears"
+            )
+        return
     if v.mla:
         if fa != "FAKQuant":
             out.append(

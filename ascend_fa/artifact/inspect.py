@@ -56,7 +56,13 @@ from .format import (
     is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
-from .releases import architecture, release_findings, release_scheme, resolve_release
+from .releases import (
+    architecture,
+    fa_read,
+    release_findings,
+    release_scheme,
+    resolve_release,
+)
 
 __all__ = ["inspect_artifact", "natural_key", "scale_findings"]
 
@@ -383,7 +389,7 @@ def inspect_artifact(
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))
-        scheme = release_scheme(target, view.mla)
+        scheme = release_scheme(target, view.mla, fa_read(target, config, fa_type))
         findings.extend(release_findings(target, release, scheme, architecture(config)))
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {

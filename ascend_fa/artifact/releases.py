@@ -25,8 +25,17 @@ vllm-ascend        C8 for every architecture vLLM        nothing we write
                    (``get_cache_scale_mapper``);
                    FAKQuant
 MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
-                   qwen3), FAKQuant (deepseek_v2/v3)     (rule of :mod:`.consumers`)
+                   qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
+                   DeepSeek-V3.2 quantized linears       FAKQuant for DeepSeek-V3.2;
+                                                         any GlmMoeDsa artifact
 =================  ====================================  ===========================
+
+DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
+``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which
+reads no FA scale, and on MindIE's runtime without FA3: the Ascend targets write
+their quantized linears only (scheme ``linears``, :func:`release_scheme`); a
+FAKQuant artifact of them is reported (rules ``fakquant.sfa``,
+``mindie.fakquant-dsa``).
 
 The default release of a target is its newest stable one (:data:`DEFAULT_RELEASE`):
 vllm-ascend 0.23.0.post1, MindIE 3.0.0. The ``vllm`` target has no release table
@@ -62,6 +71,7 @@ __all__ = [
     "release_scheme",
     "rule_for",
     "first_loading",
+    "fa_read",
     "release_findings",
     "check_release",
 ]
@@ -146,6 +156,8 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -184,8 +196,54 @@ _FIRST_INDEX_LOADERS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
+_VLLM_ASCEND_ALL = ("0.13.0", "0.18.0", "0.23.0.post1", *_LATER)
+#: DeepSeek Sparse Attention architectures (MLA + a lightning indexer)
+_DSA = frozenset({"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"})
+#: Ascend/MindIE-LLM 3.0.0: DeepSeek-V3.2's router and its model guide
+_MINDIE_V32 = (
+    Citation(
+        MINDIE,
+        "mindie_llm/runtime/models/deepseek_v32/router_deepseek_v32.py",
+        _MINDIE300,
+        "DeepseekV32Router: the runtime DeepseekV3ForCausalLM with its SFA layer",
+    ),
+    Citation(
+        MINDIE,
+        "docs/zh/user_guide/models/deepseek/deepseek_v3.2.md",
+        _MINDIE300,
+        "table 2: W8A8 supported; KV cache and FA3 quantization not",
+    ),
+)
 
 RULES: tuple[Rule, ...] = (
+    Rule(
+        "fakquant.sfa",
+        "vllm-ascend",
+        "FAKQuant",
+        _VLLM_ASCEND_ALL,
+        _DSA,
+        False,
+        "serves DeepSeek Sparse Attention models with its SFA backend, which has no "
+        "FAKQuant path: the fa_* scales load into the MLA attention and are never "
+        "read, the latent cache stays unquantized (its sparse C8 is a runtime "
+        "switch, enable_sparse_c8 / enable_sparse_li_c8, that quantizes per token)",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/attention/sfa_v1.py",
+                _MAIN,
+                "no fa_quant_layer (mla_v1.py's FAKQuant switch); same at "
+                "v0.13.0 / v0.18.0 / v0.23.0 / v0.25.1rc1",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/platform.py",
+                _MAIN,
+                "get_attn_backend_cls: (use_mla, use_sparse) -> AscendSFABackend",
+            ),
+        ),
+        silent=True,
+    ),
     Rule(
         "c8.unknown",
         "vllm-ascend",
@@ -377,6 +435,30 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "mindie.no-glm-dsa",
+        "mindie",
+        "*",
+        ("3.0.0",),
+        frozenset({"GlmMoeDsaForCausalLM"}),
+        False,
+        "has no glm_moe_dsa model: get_router_ins raises NotImplementedError "
+        "'unsupported model type: glm_moe_dsa' (no runtime folder, no atb_llm "
+        "router)",
+        (Citation(MINDIE, "mindie_llm/runtime/models/__init__.py", _MINDIE300),),
+    ),
+    Rule(
+        "mindie.fakquant-dsa",
+        "mindie",
+        "FAKQuant",
+        ("3.0.0",),
+        _DSA,
+        False,
+        "runs DeepSeek-V3.2 on its runtime's sparse attention, which reads no fa_* "
+        "tensor (FA3 quantization unsupported for it); it loads the quantized "
+        "linears",
+        _MINDIE_V32,
+    ),
+    Rule(
         "mindie.fakquant",
         "mindie",
         "FAKQuant",
@@ -447,11 +529,15 @@ def architecture(config: Mapping[str, Any] | None) -> str | None:
     return _ARCHITECTURES.get(str(cfg.get("model_type")))
 
 
-def release_scheme(target: str, mla: bool) -> str | None:
+def release_scheme(target: str, mla: bool, fa: bool = True) -> str | None:
     """The attention/KV scheme ``target`` writes: FAKQuant for MLA, C8
-    (vllm-ascend) or FAQuant (mindie) for GQA; None for vllm."""
+    (vllm-ascend) or FAQuant (mindie) for GQA; ``"linears"`` when it writes no
+    attention scales for the model (``fa`` False: DeepSeek Sparse Attention);
+    None for vllm."""
     if target == "vllm":
         return None
+    if not fa:
+        return "linears"
     if mla:
         return "FAKQuant"
     return "C8" if target == "vllm-ascend" else "FAQuant"
@@ -460,7 +546,7 @@ def release_scheme(target: str, mla: bool) -> str | None:
 def rule_for(release: Release, scheme: str, arch: str | None) -> Rule | None:
     """The first rule of ``release`` for ``scheme`` covering ``arch``."""
     for rule in RULES:
-        if rule.target != release.target or rule.scheme != scheme:
+        if rule.target != release.target or rule.scheme not in (scheme, "*"):
             continue
         if release.name not in rule.releases:
             continue
@@ -554,10 +640,25 @@ def check_release(
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
-    line = _refusal(release, str(release_scheme(target, mla)), architecture(config))
+    scheme = release_scheme(target, mla, fa_read(target, config))
+    line = _refusal(release, str(scheme), architecture(config))
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")
     return target
+
+
+def fa_read(
+    target: str, config: Mapping[str, Any] | None, fa_type: str | None = None
+) -> bool:
+    """Whether ``target``'s consumer reads FA scales for the model of ``config``
+    (its family's ``fa_targets``; a model type no family declares: yes), or
+    an artifact's ``fa_type`` says it carries them (then its rules apply)."""
+    from ascend_fa.families import attention_kind
+
+    if fa_type:
+        return True
+    kind = attention_kind(str((config or {}).get("model_type")))
+    return kind is None or target in kind.fa_targets
 
 
 def _json(path: Path) -> dict[str, Any] | None:

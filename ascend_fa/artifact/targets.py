@@ -180,6 +180,12 @@ def check_target(
         )
     if merge or model_quant_type is None or linears_quantized:
         return
+    if target in ("mindie", "vllm-ascend") and not _reads_fa(target, model_type):
+        raise UnsupportedError(
+            f"--target {target} reads no attention scales for {what} (its sparse "
+            "attention keeps the latent cache as it runs it; see README 'Consumer "
+            "releases'): quantize the linears (--linear w8a8 / w8a8_dynamic)"
+        )
     # --target mindie with float linears is allowed (an attention-only research
     # artifact): target_warning says, and inspect --target mindie refuses it.
     if target == "vllm-ascend" and mla:
@@ -189,6 +195,13 @@ def check_target(
             "weight_scale (vllm_ascend/attention/mla_v1.py); quantize the linears "
             "(--linear w8a8_dynamic) or --merge-into an msModelSlim W8A8 export"
         )
+
+
+def _reads_fa(target: str, model_type: str | None) -> bool:
+    from ascend_fa.families import attention_kind
+
+    kind = attention_kind(model_type)
+    return kind is None or target in kind.fa_targets
 
 
 def target_warning(

@@ -42,6 +42,7 @@ from ascend_fa.errors import (
 )
 
 from .format import (
+    ASCEND_TARGETS,
     CONFIG_FILE,
     DESCRIPTION_FILE,
     DESCRIPTION_VERSION,
@@ -67,6 +68,7 @@ from .model_files import (
 )
 from .output import atomic_output_dir
 from .reader import read_tensor_index
+from .releases import fa_read
 from .targets import (
     KVScaleMap,
     c8_tensors,
@@ -431,6 +433,16 @@ def export_artifact(
         else:
             c8 = c8_tensors(kv_scales, dict.fromkeys(kv_scales, kv_heads * dim))
             extra = c8
+    elif target in ASCEND_TARGETS and not fa_read(target, config):
+        # DeepSeek Sparse Attention: the consumer reads no FA scale (releases)
+        if model_quant_type not in LINEAR_QUANT_TYPES:
+            raise UnsupportedError(
+                f"--target {target} reads no attention scales for model type "
+                f"{(config or {}).get('model_type')!r} (its sparse attention keeps "
+                "the latent cache as it runs it): quantize the linears "
+                "(--linear w8a8 / w8a8_dynamic), or write a research artifact "
+                "without --target"
+            )
     else:
         if not scales:
             raise ValueError(

@@ -34,7 +34,7 @@ from torch import nn
 
 from ascend_fa.adapters.base import token_mask_scope
 from ascend_fa.adapters.hf import fa_points, find_fa_modules
-from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs
+from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs, layer_step
 
 from .observers import PerHeadObserver
 
@@ -227,8 +227,7 @@ def run_layerwise(
             before_layer(i, layer, inputs, masks)
         for j, (hidden, kwargs, keep) in enumerate(inputs):
             with token_mask_scope(model, masks[j]):
-                out = layer(hidden, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
+                out, kwargs = layer_step(layer(hidden, **kwargs), kwargs)
             inputs[j] = (out.detach(), kwargs, keep)
         if checkpoint is not None:
             checkpoint.save(i, model, inputs)

@@ -54,6 +54,7 @@ __all__ = [
     "LinearConfig",
     "LinearResult",
     "capture_layer_inputs",
+    "layer_step",
     "FloatChooser",
     "decide_layer",
     "observe_layer",
@@ -325,6 +326,17 @@ def capture_layer_inputs(
     return out
 
 
+def layer_step(out: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A decoder layer's output as the next layer's ``(hidden, kwargs)``: glm_moe_dsa
+    layers return ``(hidden, topk)`` and take it as ``prev_topk_indices`` (transformers
+    ``modeling_glm_moe_dsa.py`` ``GlmMoeDsaModel.forward``)."""
+    if not isinstance(out, tuple):
+        return out, kwargs
+    if "prev_topk_indices" in kwargs and len(out) > 1:
+        kwargs = {**kwargs, "prev_topk_indices": out[1]}
+    return out[0], kwargs
+
+
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` ``[..., K]`` at real tokens (``mask`` ``[B, S]``): a view
     when every token is real (no copy), else the selected rows."""
@@ -337,9 +349,10 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
-    """Fold ``s`` ``[K]``: weights' columns times ``s``; the norm weight, or the
-    producing linear's output rows (and bias), divided by it."""
-    for name in group.linears:
+    """Fold ``s`` ``[K]``: weights' columns times ``s`` (the group's float
+    ``readers`` too); the norm weight, or the producing linear's output rows (and
+    bias), divided by it."""
+    for name in (*group.linears, *group.readers):
         lin = model.get_submodule(name)
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
     if group.norm is not None:
@@ -573,8 +586,7 @@ class LinearCheckpoint(Protocol):
 
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
-        out = layer(hidden, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out
+        out, kwargs = layer_step(layer(hidden, **kwargs), kwargs)
         inputs[i] = (out.detach(), kwargs, mask)
 
 

@@ -205,13 +205,21 @@ _MINDIE_V32 = (
         MINDIE,
         "mindie_llm/runtime/models/deepseek_v32/router_deepseek_v32.py",
         _MINDIE300,
-        "DeepseekV32Router: the runtime DeepseekV3ForCausalLM with its SFA layer",
+        "DeepseekV32Router: the runtime DeepseekV3ForCausalLM with its SFA layer "
+        "(the model guide docs/zh/user_guide/models/deepseek/deepseek_v3.2.md, "
+        "table 2: W8A8 yes, KV-cache and FA3 quantization no)",
     ),
     Citation(
         MINDIE,
-        "docs/zh/user_guide/models/deepseek/deepseek_v3.2.md",
+        "mindie_llm/runtime/layers/attention/sparse_attention_layer.py",
         _MINDIE300,
-        "table 2: W8A8 supported; KV cache and FA3 quantization not",
+        "SFA: key, value and index caches, no fa_* parameter",
+    ),
+    Citation(
+        MINDIE,
+        "mindie_llm/runtime/layers/quantization/ms_model_slim/quantization_config.py",
+        _MINDIE300,
+        "reads model_quant_type / kv_quant_type, never fa_quant_type",
     ),
 )
 

@@ -387,3 +387,67 @@ def test_streaming_glm_equals_whole_model(tmp_path):
             t.view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
         ), name
     assert _desc(whole.output) == _desc(streamed.output)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_full_size_plan_quantizes_90_percent(model_type):
+    """DeepSeek-V3.2 and GLM-5 at full size (transformers' config defaults) on the
+    meta device: the linears the plan quantizes (attention groups and the routed
+    experts) hold >= 90 % of the linear weight elements; kv_b_proj, the indexer
+    and the routers stay float."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    plans = linear_plan(model)
+    quantized = {n for p in plans for g in p.groups for n in g.linears}
+    quantized |= {p.experts.linears[0] for p in plans if p.experts is not None}
+    total = int8 = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+            n = module.weight.numel()
+        elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:
+            n = module.gate_up_proj.numel() + module.down_proj.numel()
+        else:
+            continue
+        total += n
+        int8 += n if name in quantized else 0
+    assert not [n for n in quantized if ".indexer." in n or "kv_b_proj" in n]
+    first = cfg.first_k_dense_replace
+    assert plans[first].experts is not None and plans[first - 1].experts is None
+    assert int8 / total >= 0.9, int8 / total
+
+
+def _dp_worker(rank: int, init: str, src: str, data: str, out: str, kw: dict) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=rank, world_size=2
+    )
+    try:
+        calibrate(src, output=out, calib_data=data, **kw)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(tmp_path):
+    """glm_moe_dsa (shared top-k layers) for vllm-ascend on 2 gloo ranks: the
+    artifact of one process, bit for bit."""
+    import torch.multiprocessing as mp
+
+    src = save(tmp_path, "glm_moe_dsa")
+    data = _data(tmp_path)
+    kw = dict(RUN, target="vllm-ascend", linear="w8a8_dynamic", num_samples=6)
+    kw.update(picture_report=False, progress=False)
+    one = calibrate(src, output=tmp_path / "one", calib_data=data, **kw)
+    args = (str(tmp_path / "store"), str(src), str(data), str(tmp_path / "two"), kw)
+    mp.spawn(_dp_worker, args=args, nprocs=2, join=True)
+    a, b = _tensors(one.output), _tensors(tmp_path / "two")
+    assert a and set(a) == set(b)
+    for name, t in a.items():
+        assert torch.equal(
+            t.view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
+        ), name

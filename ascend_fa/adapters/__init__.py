@@ -11,6 +11,8 @@ model_type        adapter                              fa_quant_type
 ``qwen3``         :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``mistral``       :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``deepseek_v3``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
+``deepseek_v32``  :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
+``glm_moe_dsa``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
 ================  ===================================  =============
 
 Every adapter implements ``inject_fa3_placeholders(root_name, root_module,

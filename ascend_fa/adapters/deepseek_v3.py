@@ -27,6 +27,12 @@ in without touching ``forward`` (through :mod:`.hf`):
   computed in the absorbed form — the original attention function is called on
   ``[q_abs | q_pe]``, ``[c_kv | k_pe]`` and ``c_kv`` (the full latent, captured by
   a pre-hook on ``kv_b_proj``), and ``W_UV`` is applied to its output.
+
+DeepSeek Sparse Attention (``deepseek_v32``, ``glm_moe_dsa``) is this MLA plus an
+indexer whose top-k keys mask the attention: the FA points are the same, the
+indexer runs untouched (float, as the consumers keep it), and its top-k, which
+transformers passes to a registered attention implementation as ``indices``, is
+folded into the mask the wrapped function receives (:func:`_fold_topk`).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from ascend_fa.eval_data import (
     load_eval_text,
     token_windows,
 )
+from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
 
@@ -634,11 +635,18 @@ def run_eval(
             models[label] = quantized
     if compare_methods:
         calib = calibration_split(load_calib_texts(calib_data), num_samples)
+        # the width of one observed head: MLA observes the latent (kv_lora_rank
+        # wide; its config's head_dim is the RoPE part's)
         head_dim = int(
-            getattr(net.config, "head_dim", None)
+            getattr(net.config, "kv_lora_rank", None)
+            or getattr(net.config, "head_dim", None)
             or net.config.hidden_size // net.config.num_attention_heads
         )
         methods = default_methods(len(calib) * max_length * head_dim)
+        if is_mla(getattr(net.config, "model_type", None)):
+            # the clip searches score the GQA attention output (calibrate
+            # --clip-search is GQA-only): MLA compares the other methods
+            methods = [m for m in methods if m.search is None]
         t0 = time.perf_counter()
         specs.update(
             calibrate_methods(

@@ -451,3 +451,16 @@ def test_two_ranks_equal_one_process(tmp_path):
         assert torch.equal(
             t.view(-1).view(torch.uint8), b[name].view(-1).view(torch.uint8)
         ), name
+
+
+def test_eval_compare_methods_on_the_latent(tmp_path, capsys):
+    """``eval --compare-methods`` calibrates FAKQuant on the MLA latent of a DSA
+    model (observers sized for the R-wide latent; the GQA-only clip searches left
+    out) and measures every method against float."""
+    src = save(tmp_path, "glm_moe_dsa")
+    js = tmp_path / "m.json"
+    args = ["eval", "--model", str(src), "--compare-methods", "--num-samples", "4"]
+    args += ["--max-length", "64", "--max-tokens", "48", "--window", "24", "-q"]
+    assert main([*args, "--json", str(js)]) == 0, capsys.readouterr().err
+    text = js.read_text()
+    assert "recall_window/pooled (default)" in text and "clip search" not in text

@@ -34,7 +34,8 @@ from torch import nn
 
 from ascend_fa.adapters.base import token_mask_scope
 from ascend_fa.adapters.hf import fa_points, find_fa_modules
-from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs, layer_step
+from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs
+from ascend_fa.linear.stack import layer_step
 
 from .observers import PerHeadObserver
 

@@ -42,6 +42,7 @@ from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Li
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
+from .stack import layer_step
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -54,7 +55,6 @@ __all__ = [
     "LinearConfig",
     "LinearResult",
     "capture_layer_inputs",
-    "layer_step",
     "FloatChooser",
     "decide_layer",
     "observe_layer",
@@ -324,17 +324,6 @@ def capture_layer_inputs(
     finally:
         handle.remove()
     return out
-
-
-def layer_step(out: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-    """A decoder layer's output as the next layer's ``(hidden, kwargs)``: glm_moe_dsa
-    layers return ``(hidden, topk)`` and take it as ``prev_topk_indices`` (transformers
-    ``modeling_glm_moe_dsa.py`` ``GlmMoeDsaModel.forward``)."""
-    if not isinstance(out, tuple):
-        return out, kwargs
-    if "prev_topk_indices" in kwargs and len(out) > 1:
-        kwargs = {**kwargs, "prev_topk_indices": out[1]}
-    return out[0], kwargs
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

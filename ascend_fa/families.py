@@ -34,6 +34,7 @@ __all__ = [
     "AttentionKind",
     "attention_kind",
     "is_mla",
+    "reads_fa",
     "model_types",
 ]
 
@@ -136,6 +137,16 @@ def model_types(**wanted: object) -> tuple[str, ...]:
         for t, kind in FAMILIES.items()
         if all(getattr(kind, k) == v for k, v in wanted.items())
     )
+
+
+def reads_fa(model_type: str | None, target: str) -> bool:
+    """Whether ``target``'s consumer reads FA scales for ``model_type``: an Ascend
+    target (mindie, vllm-ascend) only where the kind lists it in ``fa_targets``
+    (not for DeepSeek Sparse Attention); other targets, undeclared types: yes."""
+    kind = attention_kind(model_type)
+    if kind is None or target not in ("mindie", "vllm-ascend"):
+        return True
+    return target in kind.fa_targets
 
 
 def is_mla(model_type: str | None) -> bool:

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ascend_fa.families import reads_fa
+
 from .format import (
     ASCEND_TARGETS,
     C8_TENSOR,
@@ -200,12 +202,9 @@ def _ascend(target: str, v: ArtifactView, names: list[str], out: list[str]) -> N
 
 
 def _reads_fa(target: str, v: ArtifactView) -> bool:
-    """Whether ``target`` reads FA scales for this model (its family's
-    ``fa_targets``: not for DeepSeek Sparse Attention, :mod:`.releases`)."""
-    from ascend_fa.families import attention_kind
-
-    kind = attention_kind(str((v.config or {}).get("model_type")))
-    return kind is None or target in kind.fa_targets
+    """Whether ``target`` reads FA scales for this model (not for DeepSeek Sparse
+    Attention: :func:`ascend_fa.families.reads_fa`, rules in :mod:`.releases`)."""
+    return reads_fa((v.config or {}).get("model_type"), target)
 
 
 def _linears(v: ArtifactView, attn: str) -> list[str]:

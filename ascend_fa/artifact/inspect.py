@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ascend_fa.families import reads_fa
+
 from .consumers import header_view, recorded_target, target_findings
 from .format import (
     C8_TENSOR,
@@ -58,7 +60,6 @@ from .format import (
 from .reader import read_tensor_index, weight_files
 from .releases import (
     architecture,
-    fa_read,
     release_findings,
     release_scheme,
     resolve_release,
@@ -389,7 +390,7 @@ def inspect_artifact(
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))
-        scheme = release_scheme(target, view.mla, fa_read(target, config, fa_type))
+        scheme = release_scheme(target, view.mla, _has_fa(target, config, fa_type))
         findings.extend(release_findings(target, release, scheme, architecture(config)))
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
@@ -408,6 +409,13 @@ def inspect_artifact(
     result["layers"] = layers
     result["valid"] = not findings
     return result
+
+
+def _has_fa(target: str, config: dict[str, Any] | None, fa_type: Any) -> bool:
+    """Whether the artifact's scheme is FA: it carries FA scales, or ``target``
+    reads them for the model (not for DeepSeek Sparse Attention, whose Ascend
+    artifacts hold the quantized linears only: scheme ``linears``)."""
+    return bool(fa_type) or reads_fa((config or {}).get("model_type"), target)
 
 
 def natural_key(name: str) -> list[Any]:

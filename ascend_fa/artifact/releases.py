@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import reads_fa
 
 __all__ = [
     "Citation",
@@ -71,7 +72,6 @@ __all__ = [
     "release_scheme",
     "rule_for",
     "first_loading",
-    "fa_read",
     "release_findings",
     "check_release",
 ]
@@ -648,25 +648,11 @@ def check_release(
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
-    scheme = release_scheme(target, mla, fa_read(target, config))
+    scheme = release_scheme(target, mla, reads_fa(config.get("model_type"), target))
     line = _refusal(release, str(scheme), architecture(config))
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")
     return target
-
-
-def fa_read(
-    target: str, config: Mapping[str, Any] | None, fa_type: str | None = None
-) -> bool:
-    """Whether ``target``'s consumer reads FA scales for the model of ``config``
-    (its family's ``fa_targets``; a model type no family declares: yes), or
-    an artifact's ``fa_type`` says it carries them (then its rules apply)."""
-    from ascend_fa.families import attention_kind
-
-    if fa_type:
-        return True
-    kind = attention_kind(str((config or {}).get("model_type")))
-    return kind is None or target in kind.fa_targets
 
 
 def _json(path: Path) -> dict[str, Any] | None:

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import reads_fa
 
 from .format import (
     ARTIFACT_DTYPES,
@@ -180,7 +181,7 @@ def check_target(
         )
     if merge or model_quant_type is None or linears_quantized:
         return
-    if target in ("mindie", "vllm-ascend") and not _reads_fa(target, model_type):
+    if target in ("mindie", "vllm-ascend") and not reads_fa(model_type, target):
         raise UnsupportedError(
             f"--target {target} reads no attention scales for {what} (its sparse "
             "attention keeps the latent cache as it runs it; see README 'Consumer "
@@ -195,13 +196,6 @@ def check_target(
             "weight_scale (vllm_ascend/attention/mla_v1.py); quantize the linears "
             "(--linear w8a8_dynamic) or --merge-into an msModelSlim W8A8 export"
         )
-
-
-def _reads_fa(target: str, model_type: str | None) -> bool:
-    from ascend_fa.families import attention_kind
-
-    kind = attention_kind(model_type)
-    return kind is None or target in kind.fa_targets
 
 
 def target_warning(

@@ -40,9 +40,9 @@ from ascend_fa.errors import (
     FileFormatError,
     UnsupportedError,
 )
+from ascend_fa.families import reads_fa
 
 from .format import (
-    ASCEND_TARGETS,
     CONFIG_FILE,
     DESCRIPTION_FILE,
     DESCRIPTION_VERSION,
@@ -68,7 +68,6 @@ from .model_files import (
 )
 from .output import atomic_output_dir
 from .reader import read_tensor_index
-from .releases import fa_read
 from .targets import (
     KVScaleMap,
     c8_tensors,
@@ -433,7 +432,7 @@ def export_artifact(
         else:
             c8 = c8_tensors(kv_scales, dict.fromkeys(kv_scales, kv_heads * dim))
             extra = c8
-    elif target in ASCEND_TARGETS and not fa_read(target, config):
+    elif not reads_fa((config or {}).get("model_type"), str(target)):
         # DeepSeek Sparse Attention: the consumer reads no FA scale (releases)
         if model_quant_type not in LINEAR_QUANT_TYPES:
             raise UnsupportedError(

@@ -24,6 +24,7 @@ from typing import Any
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError
+from ascend_fa.families import reads_fa
 
 from .plan import CalibrationPlan
 from .source import Source
@@ -208,18 +209,8 @@ def observe_attention(
         kv_mode=kv_mode,
         kv_scales=kv.scales(plan.kv_strategy) if kv is not None else None,
         seconds=seconds,
-        fa_written=_fa_written(plan, source),
+        fa_written=reads_fa(source.model_type, plan.target),
     )
-
-
-def _fa_written(plan: CalibrationPlan, source: Source) -> bool:
-    """Whether the artifact carries FA scales: not on an Ascend target whose
-    consumer reads none for the model's kind (DeepSeek Sparse Attention; the
-    rules are :mod:`ascend_fa.artifact.releases`)."""
-    kind = source.kind
-    if kind is None or plan.target not in ("mindie", "vllm-ascend"):
-        return True
-    return plan.target in kind.fa_targets
 
 
 def keep_within_budget(

@@ -61,6 +61,7 @@ from .reader import read_tensor_index, weight_files
 from .releases import (
     architecture,
     release_findings,
+    release_notes,
     release_scheme,
     resolve_release,
 )
@@ -390,8 +391,7 @@ def inspect_artifact(
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))
-        scheme = release_scheme(target, view.mla, _has_fa(target, config, fa_type))
-        findings.extend(release_findings(target, release, scheme, architecture(config)))
+        _release_checks(target, release, view, config, findings, result)
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
         "target": target,
@@ -411,11 +411,23 @@ def inspect_artifact(
     return result
 
 
-def _has_fa(target: str, config: dict[str, Any] | None, fa_type: Any) -> bool:
-    """Whether the artifact's scheme is FA: it carries FA scales, or ``target``
-    reads them for the model (not for DeepSeek Sparse Attention, whose Ascend
-    artifacts hold the quantized linears only: scheme ``linears``)."""
-    return bool(fa_type) or reads_fa((config or {}).get("model_type"), target)
+def _release_checks(
+    target: str,
+    release: Any,
+    view: Any,
+    config: dict[str, Any] | None,
+    findings: list[str],
+    result: dict[str, Any],
+) -> None:
+    """The release table's refusal (a finding) and caveats (``result["notes"]``)
+    for what ``target`` writes for this architecture: its FA scheme, or
+    ``"linears"`` when the artifact carries no FA scales because the target reads
+    none for the model (DeepSeek Sparse Attention)."""
+    fa = bool((view.desc or {}).get("fa_quant_type"))
+    fa = fa or reads_fa((config or {}).get("model_type"), target)
+    scheme, arch = release_scheme(target, view.mla, fa), architecture(config)
+    findings.extend(release_findings(target, release, scheme, arch))
+    result["notes"] = release_notes(target, release, scheme, arch)
 
 
 def natural_key(name: str) -> list[Any]:

@@ -26,8 +26,11 @@ vllm-ascend        C8 for every architecture vLLM        nothing we write
                    FAKQuant
 MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
                    qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
-                   DeepSeek-V3.2 quantized linears       FAKQuant for DeepSeek-V3.2;
-                                                         any GlmMoeDsa artifact
+                   the MoE models (qwen2_moe, qwen3_moe, notes: FA tensors loaded but
+                   mixtral, glm4_moe) run the linears;   unused by the MoE graphs;
+                   DeepSeek-V3.2 quantized linears       no MiniMax-M2 / GlmMoeDsa
+                                                         model; FAKQuant for
+                                                         DeepSeek-V3.2
 =================  ====================================  ===========================
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
@@ -50,14 +53,25 @@ release not in the table has not been read.
 
 from __future__ import annotations
 
-import re
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError, UnsupportedError
 from ascend_fa.families import reads_fa
+
+from .release_dsa import DSA_RULES
+from .release_types import MAIN as _MAIN
+from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
+from .release_types import MINDIE300 as _MINDIE300
+from .release_types import PR12463 as _PR12463
+from .release_types import V013 as _V013
+from .release_types import V018 as _V018
+from .release_types import V023 as _V023
+from .release_types import V0251 as _V0251
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Citation",
@@ -73,57 +87,9 @@ __all__ = [
     "rule_for",
     "first_loading",
     "release_findings",
+    "release_notes",
     "check_release",
 ]
-
-VLLM_ASCEND = "vllm-project/vllm-ascend"
-VLLM = "vllm-project/vllm"
-MINDIE = "Ascend/MindIE-LLM"
-
-
-@dataclass(frozen=True)
-class Citation:
-    """Where a rule was read: repository, path, commit or tag, and the place."""
-
-    repo: str
-    path: str
-    ref: str
-    where: str = ""
-
-    def __str__(self) -> str:
-        ref = self.ref[:10] if re.fullmatch(r"[0-9a-f]{40}", self.ref) else self.ref
-        at = f" {self.where}" if self.where else ""
-        return f"{self.repo}:{self.path}@{ref}{at}"
-
-
-@dataclass(frozen=True)
-class Release:
-    """One consumer release: its canonical name, the line it stands for, the
-    commit it was read at, the vLLM release it loads through, and whether it is a
-    stable (final) release."""
-
-    target: str
-    name: str
-    line: str
-    commit: str
-    loader: str
-    stable: bool
-    aliases: tuple[str, ...] = ()
-
-
-#: vllm-ascend commits: tags of the git history, and for 0.23.0.post1 (which has
-#: no tag) the commit its PyPI sdist records (``vllm_ascend/_version.py``
-#: ``commit_id = 'g1cdb8c4db'``); the files the C8 rules read are byte-identical
-#: in that sdist and at tag v0.23.0 (5cb98caaad).
-_V013 = "6281c1207a7a499e9f23a42b3a1e7027469f2b10"  # tag v0.13.0
-_V018 = "e18643f8a4d5bd9990727654318ad069ea0b56e2"  # tag v0.18.0
-_V023 = "5cb98caaadeff42b5b62b996e34bb2aaa29d20fd"  # tag v0.23.0
-_V0251 = "9bf964cb4b87c8cd0d6852c41a55b3c29711fa95"  # tag v0.25.1rc1
-# main, 2026-08-22: the commit the rules of .consumers and the npu backend's
-# vllm-ascend citations (backends/npu_capabilities.VLLM_ASCEND_COMMIT) were read at
-_MAIN = "182b75ea84ff13ece27b57391331ef8935410aea"
-_PR12463 = "86923ba582b9fffb35d9ab9501f52267d0e97874"  # PR #12463 on main
-_MINDIE300 = "8b4871ad31f592aa863f6255760e4934484d78e4"  # tag v3.0.0
 
 RELEASES: tuple[Release, ...] = (
     Release("vllm-ascend", "0.13.0", "0.13.x", _V013, "vLLM v0.13.0", True),
@@ -156,6 +122,11 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
@@ -167,28 +138,6 @@ DEFAULT_MODEL_CONFIG = {"model_type": "llama"}
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What ``releases`` do with ``scheme`` for ``architectures`` (None: any).
-
-    ``loads`` False: ``effect`` says what happens instead (``silent``: no error,
-    the model runs wrongly or unquantized). The first rule of a release matching
-    the scheme and the architecture decides."""
-
-    id: str
-    target: str
-    scheme: str
-    releases: tuple[str, ...]
-    architectures: frozenset[str] | None
-    loads: bool
-    effect: str
-    citations: tuple[Citation, ...]
-    silent: bool = False
-
-    def cites(self) -> str:
-        return "; ".join(str(c) for c in self.citations)
-
-
 _GQA_C8_PATCHED = frozenset(
     {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
@@ -196,62 +145,8 @@ _FIRST_INDEX_LOADERS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
-_VLLM_ASCEND_ALL = ("0.13.0", "0.18.0", "0.23.0.post1", *_LATER)
-#: DeepSeek Sparse Attention architectures (MLA + a lightning indexer)
-_DSA = frozenset({"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"})
-#: Ascend/MindIE-LLM 3.0.0: DeepSeek-V3.2's router and its model guide
-_MINDIE_V32 = (
-    Citation(
-        MINDIE,
-        "mindie_llm/runtime/models/deepseek_v32/router_deepseek_v32.py",
-        _MINDIE300,
-        "DeepseekV32Router: the runtime DeepseekV3ForCausalLM with its SFA layer "
-        "(the model guide docs/zh/user_guide/models/deepseek/deepseek_v3.2.md, "
-        "table 2: W8A8 yes, KV-cache and FA3 quantization no)",
-    ),
-    Citation(
-        MINDIE,
-        "mindie_llm/runtime/layers/attention/sparse_attention_layer.py",
-        _MINDIE300,
-        "SFA: key, value and index caches, no fa_* parameter",
-    ),
-    Citation(
-        MINDIE,
-        "mindie_llm/runtime/layers/quantization/ms_model_slim/quantization_config.py",
-        _MINDIE300,
-        "reads model_quant_type / kv_quant_type, never fa_quant_type",
-    ),
-)
-
 RULES: tuple[Rule, ...] = (
-    Rule(
-        "fakquant.sfa",
-        "vllm-ascend",
-        "FAKQuant",
-        _VLLM_ASCEND_ALL,
-        _DSA,
-        False,
-        "serves DeepSeek Sparse Attention models with its SFA backend, which has no "
-        "FAKQuant path: the fa_* scales load into the MLA attention and are never "
-        "read, the latent cache stays unquantized (its sparse C8 is a runtime "
-        "switch, enable_sparse_c8 / enable_sparse_li_c8, that quantizes per token)",
-        (
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/attention/sfa_v1.py",
-                _MAIN,
-                "no fa_quant_layer (mla_v1.py's FAKQuant switch); same at "
-                "v0.13.0 / v0.18.0 / v0.23.0 / v0.25.1rc1",
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/platform.py",
-                _MAIN,
-                "get_attn_backend_cls: (use_mla, use_sparse) -> AscendSFABackend",
-            ),
-        ),
-        silent=True,
-    ),
+    *DSA_RULES,
     Rule(
         "c8.unknown",
         "vllm-ascend",
@@ -419,6 +314,59 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "mindie.no-model",
+        "mindie",
+        "FAQuant",
+        ("3.0.0",),
+        frozenset({"MiniMaxM2ForCausalLM"}),
+        True,
+        "MindIE has no model for this architecture (no atb_llm/models entry): the "
+        "artifact is in msModelSlim's format, but no MindIE release in the table "
+        "runs it",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/__init__.py",
+                _MINDIE300,
+                "no minimax",
+            ),
+        ),
+        caveat=True,
+    ),
+    Rule(
+        "mindie.fa3.moe",
+        "mindie",
+        "FAQuant",
+        ("3.0.0",),
+        frozenset(
+            {
+                "Qwen2MoeForCausalLM",
+                "Qwen3MoeForCausalLM",
+                "MixtralForCausalLM",
+                "Glm4MoeForCausalLM",
+            }
+        ),
+        True,
+        "the MoE models load the fa_q/fa_k/fa_v tensors (base attention "
+        "load_weights) but their graphs pass no enableFA3: the quantized linears "
+        "run, attention stays float (qwen3_moe routes to qwen2_moe)",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/base/modeling.py",
+                _MINDIE300,
+                "FA3.load",
+            ),
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/qwen2_moe/flash_causal_qwen2_moe.py",
+                _MINDIE300,
+                "no enableFA3",
+            ),
+        ),
+        caveat=True,
+    ),
+    Rule(
         "mindie.fa3",
         "mindie",
         "FAQuant",
@@ -441,30 +389,6 @@ RULES: tuple[Rule, ...] = (
                 "enableFA3",
             ),
         ),
-    ),
-    Rule(
-        "mindie.no-glm-dsa",
-        "mindie",
-        "*",
-        ("3.0.0",),
-        frozenset({"GlmMoeDsaForCausalLM"}),
-        False,
-        "has no glm_moe_dsa model: get_router_ins raises NotImplementedError "
-        "'unsupported model type: glm_moe_dsa' (no runtime folder, no atb_llm "
-        "router)",
-        (Citation(MINDIE, "mindie_llm/runtime/models/__init__.py", _MINDIE300),),
-    ),
-    Rule(
-        "mindie.fakquant-dsa",
-        "mindie",
-        "FAKQuant",
-        ("3.0.0",),
-        _DSA,
-        False,
-        "runs DeepSeek-V3.2 on its runtime's sparse attention, which reads no fa_* "
-        "tensor (FA3 quantization unsupported for it); it loads the quantized "
-        "linears",
-        _MINDIE_V32,
     ),
     Rule(
         "mindie.fakquant",
@@ -590,6 +514,22 @@ def _refusal(release: Release, scheme: str, arch: str | None) -> str | None:
     )
 
 
+def release_notes(
+    target: str, release: Release | None, scheme: str | None, arch: str | None
+) -> list[str]:
+    """What ``release`` loads but leaves unused for ``arch`` (a ``caveat`` rule),
+    one line with the rule and its citation; empty otherwise."""
+    if release is None or scheme is None:
+        return []
+    rule = rule_for(release, scheme, arch)
+    if rule is None or not rule.caveat:
+        return []
+    return [
+        f"{release.target} {release.name} loads {scheme} for {arch} but "
+        f"[{rule.id}]: {rule.effect} ({rule.cites()})"
+    ]
+
+
 def release_findings(
     target: str, release: Release | None, scheme: str | None, arch: str | None
 ) -> list[str]:
@@ -648,10 +588,15 @@ def check_release(
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
-    scheme = release_scheme(target, mla, reads_fa(config.get("model_type"), target))
-    line = _refusal(release, str(scheme), architecture(config))
+    scheme = str(
+        release_scheme(target, mla, reads_fa(config.get("model_type"), target))
+    )
+    arch = architecture(config)
+    line = _refusal(release, scheme, arch)
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")
+    for note in release_notes(target, release, scheme, arch):
+        logger.warning("%s", note)
     return target
 
 

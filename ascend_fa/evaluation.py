@@ -64,6 +64,7 @@ from ascend_fa.eval_data import (
     load_eval_text,
     token_windows,
 )
+from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
 
@@ -248,8 +249,9 @@ def read_artifact_scales(directory: str | Path) -> ScaleMap:
 
 
 def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> Any:
-    """What an artifact deploys: its FA scales (a ``ScaleMap``), or a
-    :class:`~ascend_fa.calibration.kv.KVQuantSpec` for C8 / FP8 KV-cache scales
+    """What an artifact deploys: its FA scales (a ``ScaleMap``), ``"float"``
+    attention beside quantized linears (an artifact without attention scales), or
+    a :class:`~ascend_fa.calibration.kv.KVQuantSpec` for C8 / FP8 KV-cache scales
     (C8 scales rounded to the artifact's ``torch_dtype``, as the device holds
     them; FP8 codes rounded as ``fp8_rounding`` says: ``"nearest"`` for vLLM on
     CUDA, ``"trunc"`` for vLLM on CPU). ``"trunc"`` for an artifact without FP8
@@ -273,6 +275,8 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
         )
     if scales:
         return scales
+    if kv is None and _linears_only(path):
+        return "float"  # quantized linears only (DeepSeek Sparse Attention)
     if kv is None:
         raise ValueError(
             f"artifact {path} has no FA or KV-cache scales (no <attn>.fa_{{q,k,v}}"
@@ -287,6 +291,23 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
         if name in ("float16", "bfloat16"):
             dtype = resolve_dtype(name)
     return KVQuantSpec(kind, kv_scales, dtype, fp8_rounding)
+
+
+def _linears_only(path: Path) -> bool:
+    """Whether the artifact at ``path`` deploys quantized linears and no attention
+    scales: what the Ascend targets write for a model whose consumer reads none
+    (DeepSeek Sparse Attention, :mod:`ascend_fa.artifact.releases`)."""
+    import json
+
+    from ascend_fa.artifact.format import DESCRIPTION_FILE, LINEAR_QUANT_TYPES
+
+    try:
+        desc = json.loads((path / DESCRIPTION_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(desc, dict) and desc.get("model_quant_type") in (
+        LINEAR_QUANT_TYPES
+    )
 
 
 def _point_for(spec: QuantSpec | None, name: str, wide: bool = False) -> Any:
@@ -614,11 +635,18 @@ def run_eval(
             models[label] = quantized
     if compare_methods:
         calib = calibration_split(load_calib_texts(calib_data), num_samples)
+        # the width of one observed head: MLA observes the latent (kv_lora_rank
+        # wide; its config's head_dim is the RoPE part's)
         head_dim = int(
-            getattr(net.config, "head_dim", None)
+            getattr(net.config, "kv_lora_rank", None)
+            or getattr(net.config, "head_dim", None)
             or net.config.hidden_size // net.config.num_attention_heads
         )
         methods = default_methods(len(calib) * max_length * head_dim)
+        if is_mla(getattr(net.config, "model_type", None)):
+            # the clip searches score the GQA attention output (calibrate
+            # --clip-search is GQA-only): MLA compares the other methods
+            methods = [m for m in methods if m.search is None]
         t0 = time.perf_counter()
         specs.update(
             calibrate_methods(

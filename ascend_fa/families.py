@@ -29,6 +29,8 @@ model_type     kind    notes
                hybrid  gated ``full_attention`` layers (q_proj also gives
                        a per-channel output gate; q_norm / k_norm;
                        partial RoPE); MoE with a gated shared expert
+``deepseek_v32`` mla   as deepseek_v3, plus a DSA indexer (kept float)
+``glm_moe_dsa``  mla   as deepseek_v32; "shared" layers reuse the top-k
 =============  ======  ===============================================
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
@@ -47,12 +49,14 @@ __all__ = [
     "GQA_MOE",
     "GQA_HYBRID",
     "MLA",
+    "MLA_DSA",
     "AttentionKind",
     "attention_kind",
     "is_mla",
     "MOE_LAYOUTS",
     "MoeLayout",
     "moe_layout",
+    "reads_fa",
     "model_types",
 ]
 
@@ -81,6 +85,9 @@ class AttentionKind:
     paged_emulation: bool
     kv_cache_targets: bool
     carried_layers: bool
+    #: the Ascend targets whose consumer reads this kind's FA scales (the others
+    #: get the quantized linears only)
+    fa_targets: tuple[str, ...] = ("mindie", "vllm-ascend")
 
 
 GQA = AttentionKind(
@@ -141,6 +148,22 @@ GQA_HYBRID = AttentionKind(
     carried_layers=False,
 )
 
+#: MLA with a DeepSeek Sparse Attention indexer (``self_attn.indexer``: ``wq_b``,
+#: ``wk``, ``k_norm``, ``weights_proj``; its top-k selection masks the MLA
+#: attention). The adapter and the FA points are MLA's; the indexer runs float, as
+#: the consumers keep it. Neither Ascend consumer reads FA scales for it: the
+#: sparse attention that serves these models has no FAKQuant path (vllm-ascend
+#: ``attention/sfa_v1.py`` at every tag; MindIE 3.0.0 lists FA3 quantization
+#: unsupported for DeepSeek-V3.2 and has no glm_moe_dsa model; the rules and
+#: their citations are :mod:`ascend_fa.artifact.releases`), so those targets
+#: get the quantized linears only.
+MLA_DSA = replace(
+    MLA,
+    observed=MLA.observed + "; the DSA indexer runs float and its top-k mask "
+    "reaches the attention unchanged",
+    fa_targets=(),
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -154,6 +177,8 @@ FAMILIES: dict[str, AttentionKind] = {
     "mixtral": GQA_MOE,
     "minimax_m2": GQA_MOE,
     "qwen3_next": GQA_HYBRID,
+    "deepseek_v32": MLA_DSA,
+    "glm_moe_dsa": MLA_DSA,
 }
 
 
@@ -195,6 +220,8 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": _MIXTRAL_MOE,
     "minimax_m2": _MIXTRAL_MOE,
     "qwen3_next": MoeLayout(shared="shared_expert", shared_gate="shared_expert_gate"),
+    "deepseek_v32": MoeLayout(shared="shared_experts"),
+    "glm_moe_dsa": MoeLayout(shared="shared_experts"),
 }
 
 
@@ -216,6 +243,16 @@ def model_types(**wanted: object) -> tuple[str, ...]:
         for t, kind in FAMILIES.items()
         if all(getattr(kind, k) == v for k, v in wanted.items())
     )
+
+
+def reads_fa(model_type: str | None, target: str) -> bool:
+    """Whether ``target``'s consumer reads FA scales for ``model_type``: an Ascend
+    target (mindie, vllm-ascend) only where the kind lists it in ``fa_targets``
+    (not for DeepSeek Sparse Attention); other targets, undeclared types: yes."""
+    kind = attention_kind(model_type)
+    if kind is None or target not in ("mindie", "vllm-ascend"):
+        return True
+    return target in kind.fa_targets
 
 
 def is_mla(model_type: str | None) -> bool:

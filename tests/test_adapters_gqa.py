@@ -280,3 +280,6 @@ def test_unsupported_model_type_lists_supported():
         get_adapter(nn.Linear(2, 2))
     assert supported_model_types() == sorted(FAMILIES)
     assert {"deepseek_v3", "llama", "mistral", "qwen2", "qwen3"} <= set(FAMILIES)
+    expected = {"deepseek_v3", "deepseek_v32", "glm_moe_dsa", "llama", "mistral"}
+    assert expected | {"qwen2", "qwen3"} <= set(supported_model_types())
+    assert supported_model_types() == sorted(supported_model_types())

@@ -12,6 +12,8 @@ model_type        adapter                              fa_quant_type
 ``mistral``       :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``deepseek_v3``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
 ``qwen3_next``    :class:`.gqa.GQAAdapter`             ``FAQuant``
+``deepseek_v32``  :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
+``glm_moe_dsa``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
 ================  ===================================  =============
 
 Qwen3-Next's ``full_attention`` layers (``self_attn``) have the GQA layout and are

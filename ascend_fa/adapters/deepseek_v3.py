@@ -27,6 +27,12 @@ in without touching ``forward`` (through :mod:`.hf`):
   computed in the absorbed form — the original attention function is called on
   ``[q_abs | q_pe]``, ``[c_kv | k_pe]`` and ``c_kv`` (the full latent, captured by
   a pre-hook on ``kv_b_proj``), and ``W_UV`` is applied to its output.
+
+DeepSeek Sparse Attention (``deepseek_v32``, ``glm_moe_dsa``) is this MLA plus an
+indexer whose top-k keys mask the attention: the FA points are the same, the
+indexer runs untouched (float, as the consumers keep it), and its top-k, which
+transformers passes to a registered attention implementation as ``indices``, is
+folded into the mask the wrapped function receives (:func:`_fold_topk`).
 """
 
 from __future__ import annotations
@@ -84,6 +90,28 @@ def _latent_over_keys(latent: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return latent
 
 
+def _fold_topk(
+    mask: torch.Tensor | None, indices: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor:
+    """DeepSeek Sparse Attention's top-k ``indices`` ``[B, S, topk]`` folded into
+    the attention ``mask`` ``[B, 1, S, T]`` as the model folds them for its eager /
+    SDPA attention (unselected keys masked out): under a registered attention
+    implementation transformers hands them over as ``indices`` instead
+    (``modeling_deepseek_v32.py`` / ``modeling_glm_moe_dsa.py`` ``Attention.
+    forward``), and the wrapped eager / SDPA function would ignore them."""
+    b, s, t = indices.shape[0], indices.shape[1], key.shape[2]
+    dropped = (
+        indices.new_ones((b, s, t), dtype=torch.bool)
+        .scatter(-1, indices.long(), False)
+        .unsqueeze(1)
+    )
+    if mask is None:
+        return ~dropped
+    if mask.dtype == torch.bool:
+        return mask & ~dropped
+    return mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
+
+
 def _mla_handler(
     module: nn.Module,
     fn: Callable[..., Any],
@@ -93,6 +121,8 @@ def _mla_handler(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> Any:
+    if kwargs.get("indices") is not None:  # deepseek_v32 / glm_moe_dsa top-k
+        attention_mask = _fold_topk(attention_mask, kwargs.pop("indices"), key)
     latent = module.__dict__.pop(_LATENT, None)
     q_abs = absorbed_query(module, query)
     q_out = module.fa_q(q_abs, current_token_mask(module, query.shape[2]))

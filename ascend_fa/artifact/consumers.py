@@ -28,7 +28,8 @@ vllm-ascend     ``get_quant_config``; msModelSlim removes it); every linear
                 indexes ``quant_description[prefix + ".weight"]``); a tied
                 ``lm_head.weight`` described
 vllm-ascend     ``fa_quant_type`` only ``FAKQuant`` (the one registered FA
-                attention scheme); GQA int8 cache is C8 with
+                attention scheme; none for DeepSeek Sparse Attention, whose
+                SFA backend reads no FA scale); GQA int8 cache is C8 with
                 ``kv_cache_type: "C8"``, scales ``[Hkv*D]``, offsets 0;
                 FAKQuant needs quantized MLA linears with ``weight_scale``
 vllm            compressed-tensors ``quantization_config`` with a
@@ -45,6 +46,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ascend_fa.families import reads_fa
 
 from .format import (
     ASCEND_TARGETS,
@@ -200,6 +203,12 @@ def _ascend(target: str, v: ArtifactView, names: list[str], out: list[str]) -> N
         )
 
 
+def _reads_fa(target: str, v: ArtifactView) -> bool:
+    """Whether ``target`` reads FA scales for this model (not for DeepSeek Sparse
+    Attention: :func:`ascend_fa.families.reads_fa`, rules in :mod:`.releases`)."""
+    return reads_fa((v.config or {}).get("model_type"), target)
+
+
 def _linears(v: ArtifactView, attn: str) -> list[str]:
     """The MLA projections whose ``weight_scale`` the FAKQuant path reads:
     ``q_proj`` (``q_b_proj`` with a q LoRA) and ``fused_qkv_a_proj`` (``q_a_proj``
@@ -227,6 +236,8 @@ def _mindie(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             f"({_MINDIE} models/deepseekv2/flash_causal_deepseekv2.py, "
             "models/mixtral/modeling_mixtral.py)"
         )
+    if desc.get("fa_quant_type") is None and not _reads_fa("mindie", v):
+        return  # DeepSeek Sparse Attention: the quantized linears only
     if desc.get("fa_quant_type") not in FA_QUANT_TYPES:
         out.append(
             "fa_quant_type: missing; a mindie artifact carries FAQuant/FAKQuant "
@@ -250,6 +261,15 @@ def _vllm_ascend(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             "attention scheme (quantization/methods/kv_c8.py register_scheme); use "
             "C8 for GQA"
         )
+    if v.mla and fa is None and not _reads_fa("vllm-ascend", v):
+        # DeepSeek Sparse Attention: its SFA backend keeps the latent cache as it
+        # runs it; the artifact carries the quantized linears only
+        if desc.get("model_quant_type") not in LINEAR_QUANT_TYPES:
+            out.append(
+                f"model_quant_type: {desc.get('model_quant_type')!r}; a sparse-"
+                "attention artifact without attention scales needs quantized linears"
+            )
+        return
     if v.mla:
         if fa != "FAKQuant":
             out.append(

@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ascend_fa.families import reads_fa
+
 from .consumers import header_view, recorded_target, target_findings
 from .format import (
     C8_TENSOR,
@@ -418,8 +420,12 @@ def _release_checks(
     result: dict[str, Any],
 ) -> None:
     """The release table's refusal (a finding) and caveats (``result["notes"]``)
-    for what ``target`` writes for this architecture."""
-    scheme, arch = release_scheme(target, view.mla), architecture(config)
+    for what ``target`` writes for this architecture: its FA scheme, or
+    ``"linears"`` when the artifact carries no FA scales because the target reads
+    none for the model (DeepSeek Sparse Attention)."""
+    fa = bool((view.desc or {}).get("fa_quant_type"))
+    fa = fa or reads_fa((config or {}).get("model_type"), target)
+    scheme, arch = release_scheme(target, view.mla, fa), architecture(config)
     findings.extend(release_findings(target, release, scheme, arch))
     result["notes"] = release_notes(target, release, scheme, arch)
 

@@ -27,9 +27,18 @@ vllm-ascend        C8 for every architecture vLLM        nothing we write
 MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
                    qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
                    the MoE models (qwen2_moe, qwen3_moe, notes: FA tensors loaded but
-                   mixtral, glm4_moe) run the linears    unused by the MoE graphs;
-                                                         no MiniMax-M2 model
+                   mixtral, glm4_moe) run the linears;   unused by the MoE graphs;
+                   DeepSeek-V3.2 quantized linears       no MiniMax-M2 / GlmMoeDsa
+                                                         model; FAKQuant for
+                                                         DeepSeek-V3.2
 =================  ====================================  ===========================
+
+DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
+``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which
+reads no FA scale, and on MindIE's runtime without FA3: the Ascend targets write
+their quantized linears only (scheme ``linears``, :func:`release_scheme`); a
+FAKQuant artifact of them is reported (rules ``fakquant.sfa``,
+``mindie.fakquant-dsa``).
 
 The default release of a target is its newest stable one (:data:`DEFAULT_RELEASE`):
 vllm-ascend 0.23.0.post1, MindIE 3.0.0. The ``vllm`` target has no release table
@@ -45,13 +54,22 @@ release not in the table has not been read.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import reads_fa
+
+from .release_dsa import DSA_RULES
+from .release_types import MAIN as _MAIN
+from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
+from .release_types import MINDIE300 as _MINDIE300
+from .release_types import PR12463 as _PR12463
+from .release_types import V013 as _V013
+from .release_types import V018 as _V018
+from .release_types import V023 as _V023
+from .release_types import V0251 as _V0251
 
 logger = logging.getLogger(__name__)
 
@@ -72,55 +90,6 @@ __all__ = [
     "release_notes",
     "check_release",
 ]
-
-VLLM_ASCEND = "vllm-project/vllm-ascend"
-VLLM = "vllm-project/vllm"
-MINDIE = "Ascend/MindIE-LLM"
-
-
-@dataclass(frozen=True)
-class Citation:
-    """Where a rule was read: repository, path, commit or tag, and the place."""
-
-    repo: str
-    path: str
-    ref: str
-    where: str = ""
-
-    def __str__(self) -> str:
-        ref = self.ref[:10] if re.fullmatch(r"[0-9a-f]{40}", self.ref) else self.ref
-        at = f" {self.where}" if self.where else ""
-        return f"{self.repo}:{self.path}@{ref}{at}"
-
-
-@dataclass(frozen=True)
-class Release:
-    """One consumer release: its canonical name, the line it stands for, the
-    commit it was read at, the vLLM release it loads through, and whether it is a
-    stable (final) release."""
-
-    target: str
-    name: str
-    line: str
-    commit: str
-    loader: str
-    stable: bool
-    aliases: tuple[str, ...] = ()
-
-
-#: vllm-ascend commits: tags of the git history, and for 0.23.0.post1 (which has
-#: no tag) the commit its PyPI sdist records (``vllm_ascend/_version.py``
-#: ``commit_id = 'g1cdb8c4db'``); the files the C8 rules read are byte-identical
-#: in that sdist and at tag v0.23.0 (5cb98caaad).
-_V013 = "6281c1207a7a499e9f23a42b3a1e7027469f2b10"  # tag v0.13.0
-_V018 = "e18643f8a4d5bd9990727654318ad069ea0b56e2"  # tag v0.18.0
-_V023 = "5cb98caaadeff42b5b62b996e34bb2aaa29d20fd"  # tag v0.23.0
-_V0251 = "9bf964cb4b87c8cd0d6852c41a55b3c29711fa95"  # tag v0.25.1rc1
-# main, 2026-08-22: the commit the rules of .consumers and the npu backend's
-# vllm-ascend citations (backends/npu_capabilities.VLLM_ASCEND_COMMIT) were read at
-_MAIN = "182b75ea84ff13ece27b57391331ef8935410aea"
-_PR12463 = "86923ba582b9fffb35d9ab9501f52267d0e97874"  # PR #12463 on main
-_MINDIE300 = "8b4871ad31f592aa863f6255760e4934484d78e4"  # tag v3.0.0
 
 RELEASES: tuple[Release, ...] = (
     Release("vllm-ascend", "0.13.0", "0.13.x", _V013, "vLLM v0.13.0", True),
@@ -159,6 +128,8 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -168,31 +139,6 @@ DEFAULT_MODEL_CONFIG = {"model_type": "llama"}
 _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-@dataclass(frozen=True)
-class Rule:
-    """What ``releases`` do with ``scheme`` for ``architectures`` (None: any).
-
-    ``loads`` False: ``effect`` says what happens instead (``silent``: no error,
-    the model runs wrongly or unquantized). ``caveat``: the release loads the
-    artifact and runs it, but ``effect`` says what part of it goes unused
-    (``calibrate`` warns, ``inspect`` prints a note; neither fails). The first
-    rule of a release matching the scheme and the architecture decides."""
-
-    id: str
-    target: str
-    scheme: str
-    releases: tuple[str, ...]
-    architectures: frozenset[str] | None
-    loads: bool
-    effect: str
-    citations: tuple[Citation, ...]
-    silent: bool = False
-    caveat: bool = False
-
-    def cites(self) -> str:
-        return "; ".join(str(c) for c in self.citations)
-
-
 _GQA_C8_PATCHED = frozenset(
     {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
@@ -200,8 +146,8 @@ _FIRST_INDEX_LOADERS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
-
 RULES: tuple[Rule, ...] = (
+    *DSA_RULES,
     Rule(
         "c8.unknown",
         "vllm-ascend",
@@ -543,11 +489,15 @@ def architecture(config: Mapping[str, Any] | None) -> str | None:
     return _ARCHITECTURES.get(str(cfg.get("model_type")))
 
 
-def release_scheme(target: str, mla: bool) -> str | None:
+def release_scheme(target: str, mla: bool, fa: bool = True) -> str | None:
     """The attention/KV scheme ``target`` writes: FAKQuant for MLA, C8
-    (vllm-ascend) or FAQuant (mindie) for GQA; None for vllm."""
+    (vllm-ascend) or FAQuant (mindie) for GQA; ``"linears"`` when it writes no
+    attention scales for the model (``fa`` False: DeepSeek Sparse Attention);
+    None for vllm."""
     if target == "vllm":
         return None
+    if not fa:
+        return "linears"
     if mla:
         return "FAKQuant"
     return "C8" if target == "vllm-ascend" else "FAQuant"
@@ -556,7 +506,7 @@ def release_scheme(target: str, mla: bool) -> str | None:
 def rule_for(release: Release, scheme: str, arch: str | None) -> Rule | None:
     """The first rule of ``release`` for ``scheme`` covering ``arch``."""
     for rule in RULES:
-        if rule.target != release.target or rule.scheme != scheme:
+        if rule.target != release.target or rule.scheme not in (scheme, "*"):
             continue
         if release.name not in rule.releases:
             continue
@@ -666,7 +616,10 @@ def check_release(
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
-    scheme, arch = str(release_scheme(target, mla)), architecture(config)
+    scheme = str(
+        release_scheme(target, mla, reads_fa(config.get("model_type"), target))
+    )
+    arch = architecture(config)
     line = _refusal(release, scheme, arch)
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import reads_fa
 
 from .format import (
     ARTIFACT_DTYPES,
@@ -180,6 +181,12 @@ def check_target(
         )
     if merge or model_quant_type is None or linears_quantized:
         return
+    if target in ("mindie", "vllm-ascend") and not reads_fa(model_type, target):
+        raise UnsupportedError(
+            f"--target {target} reads no attention scales for {what} (its sparse "
+            "attention keeps the latent cache as it runs it; see README 'Consumer "
+            "releases'): quantize the linears (--linear w8a8 / w8a8_dynamic)"
+        )
     # --target mindie with float linears is allowed (an attention-only research
     # artifact): target_warning says, and inspect --target mindie refuses it.
     if target == "vllm-ascend" and mla:

@@ -40,6 +40,7 @@ from ascend_fa.errors import (
     FileFormatError,
     UnsupportedError,
 )
+from ascend_fa.families import reads_fa
 
 from .format import (
     CONFIG_FILE,
@@ -433,6 +434,16 @@ def export_artifact(
         else:
             c8 = c8_tensors(kv_scales, dict.fromkeys(kv_scales, kv_heads * dim))
             extra = c8
+    elif not reads_fa((config or {}).get("model_type"), str(target)):
+        # DeepSeek Sparse Attention: the consumer reads no FA scale (releases)
+        if model_quant_type not in LINEAR_QUANT_TYPES:
+            raise UnsupportedError(
+                f"--target {target} reads no attention scales for model type "
+                f"{(config or {}).get('model_type')!r} (its sparse attention keeps "
+                "the latent cache as it runs it): quantize the linears "
+                "(--linear w8a8 / w8a8_dynamic), or write a research artifact "
+                "without --target"
+            )
     else:
         if not scales:
             raise ValueError(

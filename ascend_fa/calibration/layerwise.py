@@ -35,6 +35,7 @@ from torch import nn
 from ascend_fa.adapters.base import token_mask_scope
 from ascend_fa.adapters.hf import fa_points, find_fa_modules
 from ascend_fa.linear.engine import LayerInputs, capture_layer_inputs
+from ascend_fa.linear.stack import layer_step
 from ascend_fa.linear.typed_inputs import layer_kwargs
 
 from .observers import PerHeadObserver
@@ -229,7 +230,7 @@ def run_layerwise(
         for j, (hidden, kwargs, keep) in enumerate(inputs):
             with token_mask_scope(model, masks[j]):
                 out = layer(hidden, **layer_kwargs(layer, kwargs))
-            out = out[0] if isinstance(out, tuple) else out
+                out, kwargs = layer_step(out, kwargs)
             inputs[j] = (out.detach(), kwargs, keep)
         if checkpoint is not None:
             checkpoint.save(i, model, inputs)

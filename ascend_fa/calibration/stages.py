@@ -24,6 +24,7 @@ from typing import Any
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError
+from ascend_fa.families import reads_fa
 
 from .plan import CalibrationPlan
 from .source import Source
@@ -134,6 +135,10 @@ class AttentionPass:
     kv_mode: str | None
     kv_scales: dict[str, Any] | None
     seconds: float
+    #: False when the target's consumer reads no FA scale for this model
+    #: (DeepSeek Sparse Attention: :attr:`~ascend_fa.families.AttentionKind.
+    #: fa_targets`): the artifact carries the quantized linears only
+    fa_written: bool = True
 
     @property
     def fa_quant_type(self) -> str:
@@ -141,13 +146,17 @@ class AttentionPass:
 
     @property
     def quant_kind(self) -> str:
-        """What the target deploys: FAQuant / FAKQuant, C8 or FP8 KV."""
+        """What the target deploys: FAQuant / FAKQuant, C8 or FP8 KV, or
+        ``"none"`` (no attention scales)."""
+        if not self.fa_written:
+            return "none"
         return {"c8": "C8", "fp8": "FP8 KV"}.get(self.kv_mode or "", self.fa_quant_type)
 
     @property
     def fa_scales(self) -> dict[str, Any] | None:
-        """The FA scales the artifact carries (none for a KV-cache target)."""
-        return self.scales if self.kv_scales is None else None
+        """The FA scales the artifact carries (none for a KV-cache target, nor
+        where the consumer reads none)."""
+        return self.scales if self.kv_scales is None and self.fa_written else None
 
 
 def observe_attention(
@@ -203,6 +212,7 @@ def observe_attention(
         kv_mode=kv_mode,
         kv_scales=kv.scales(plan.kv_strategy) if kv is not None else None,
         seconds=seconds,
+        fa_written=reads_fa(source.model_type, plan.target),
     )
 
 
@@ -213,6 +223,12 @@ def keep_within_budget(
     :class:`~.budget.BudgetResult`; otherwise ``attention`` and None."""
     if plan.error_budget is None:
         return attention, None
+    if not attention.fa_written:
+        raise InputError(
+            f"--error-budget keeps FA layers float; --target {plan.target} writes "
+            f"no attention scales for model type {source.model_type!r} (its "
+            "sparse attention reads none)"
+        )
     if attention.kv_mode is not None:
         raise InputError(
             f"--error-budget keeps FAQuant layers float; --target {plan.target} "
@@ -270,10 +286,11 @@ def _deployed(
     plan: CalibrationPlan, source: Source, attention: AttentionPass, budget: Any
 ) -> Any:
     """The context in which the model runs as the target deploys it."""
-    if budget is not None:
+    if budget is not None or not attention.fa_written:
         from .budget import float_layers
 
-        return float_layers(source.net, budget.kept_float)
+        kept = budget.kept_float if budget is not None else list(attention.scales)
+        return float_layers(source.net, kept)
     if attention.kv_mode is not None and attention.kv_scales is not None:
         from ascend_fa.adapters.hf import find_fa_modules, swapped_points
 

@@ -44,6 +44,7 @@ from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
+from .stack import layer_step
 from .typed_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
 
 __all__ = [
@@ -303,11 +304,11 @@ def _apply_smoothing(
 ) -> None:
     """Fold ``s`` ``[K]``: the norm weight (stored in ``dtype``, the artifact's),
     or the producing linear's output rows (and bias), divided by it; the weights'
-    columns times the factor the norm really divides out (``s`` itself but for
-    rounding, :func:`~.norms.fold_into_norm`)."""
+    columns (the group's float ``readers`` too) times the factor the norm really
+    divides out (``s`` itself but for rounding, :func:`~.norms.fold_into_norm`)."""
     if group.norm is not None:
         s = fold_into_norm(model.get_submodule(group.norm), s, group.norm, dtype)
-    for name in group.linears:
+    for name in (*group.linears, *group.readers):
         lin = model.get_submodule(name)
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
     if group.fold is not None:
@@ -544,7 +545,7 @@ class LinearCheckpoint(Protocol):
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
         out = layer(hidden, **layer_kwargs(layer, kwargs))
-        out = out[0] if isinstance(out, tuple) else out
+        out, kwargs = layer_step(out, kwargs)
         inputs[i] = (out.detach(), kwargs, mask)
 
 

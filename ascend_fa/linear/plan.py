@@ -93,6 +93,9 @@ class LinearGroup:
     head_dim: int = 0
     #: linears the group stands for when not one per name (routed experts: 3 x E)
     count: int = 0
+    #: float linears that read the same input (DSA indexer): they take the
+    #: smoothing's column factor, so a fold into ``norm`` leaves them exact
+    readers: tuple[str, ...] = ()
     #: quantized per token (W8A8_DYNAMIC) whatever ``--linear`` says: MoE experts
     #: (see the module doc)
     dynamic: bool = False
@@ -237,6 +240,18 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
     a = f"{p}.self_attn"
     groups = []
+    x = f"{a}.indexer"
+    # DeepSeek Sparse Attention (deepseek_v32, glm_moe_dsa; glm's "shared" layers
+    # have no indexer): wk and weights_proj read the input_layernorm output, wq_b
+    # the q_a_layernorm output (msModelSlim 26.1.0 model/deepseek_v3_2/
+    # model_adapter.py get_adapter_config_for_subgraph lists them as those norms'
+    # targets). They stay float, the groups' readers: msModelSlim 26.1.0's
+    # DeepSeek-V3.2 recipe (lab_practice/deepseek_v3_2/deepseek_w8a8.yaml)
+    # excludes all three; MindIE 3.0.0 builds them with quant_config=None
+    # (Ascend/MindIE-LLM mindie_llm/runtime/models/deepseek_v3/deepseek_v3.py
+    # Indexer @8b4871a); vllm-ascend runs wk + weights_proj fused as
+    # wk_weights_proj (vllm_ascend/attention/sfa_v1.py @182b75e).
+    dsa = _has(model, f"{x}.wq_b")
     q_in = f"{a}.q_a_proj" if _has(model, f"{a}.q_a_proj") else f"{a}.q_proj"
     groups.append(
         LinearGroup(
@@ -244,12 +259,17 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
             "attn_in",
             (q_in, f"{a}.kv_a_proj_with_mqa"),
             norm=f"{p}.input_layernorm",
+            readers=(f"{x}.wk", f"{x}.weights_proj") if dsa else (),
         )
     )
     if _has(model, f"{a}.q_b_proj"):
         groups.append(
             LinearGroup(
-                f"{a}.q_b", "q_b", (f"{a}.q_b_proj",), norm=f"{a}.q_a_layernorm"
+                f"{a}.q_b",
+                "q_b",
+                (f"{a}.q_b_proj",),
+                norm=f"{a}.q_a_layernorm",
+                readers=(f"{x}.wq_b",) if dsa else (),
             )
         )
     groups.append(LinearGroup(f"{a}.o", "o", (f"{a}.o_proj",)))

@@ -17,6 +17,8 @@ model_type     kind    notes
 ``qwen3``      gqa     as llama, per-head q_norm / k_norm before RoPE
 ``mistral``    gqa     as llama
 ``deepseek_v3``  mla   absorbed MLA latent, decoupled RoPE; MoE; MTP layer
+``gemma3_text``  gqa   as qwen3; sliding / full layers (``layer_types``);
+                       norms scale by ``1 + weight``; sandwich norms
 =============  ======  ===============================================
 """
 
@@ -26,12 +28,14 @@ from dataclasses import dataclass
 
 __all__ = [
     "FAMILIES",
+    "GEMMA3",
     "GQA",
     "MLA",
     "AttentionKind",
     "attention_kind",
     "is_mla",
     "model_types",
+    "norm_offset",
 ]
 
 
@@ -47,6 +51,8 @@ class AttentionKind:
     ``paged_emulation``, ``kv_cache_targets`` (C8 / FP8 KV-cache scales instead of
     FA scales on vllm-ascend / vllm) and ``carried_layers`` (checkpoint layers
     past ``num_hidden_layers`` copied into the artifact) say which paths apply.
+    ``norm_offset``: the RMSNorms multiply by ``norm_offset + weight`` (Gemma: 1),
+    so a factor ``f`` folds into a norm as ``(offset + w) * f - offset``.
     """
 
     name: str
@@ -59,6 +65,7 @@ class AttentionKind:
     paged_emulation: bool
     kv_cache_targets: bool
     carried_layers: bool
+    norm_offset: float = 0.0
 
 
 GQA = AttentionKind(
@@ -89,6 +96,27 @@ MLA = AttentionKind(
     carried_layers=True,
 )
 
+#: Gemma 3 (text): GQA attention with per-head q_norm / k_norm, every layer softmax
+#: attention (``layer_types`` alternates sliding-window and full layers); its
+#: RMSNorms scale by ``1 + weight`` and the attention and MLP outputs pass through
+#: their own norms before the residual add (``post_attention_layernorm``,
+#: ``post_feedforward_layernorm``), so the MLP reads ``pre_feedforward_layernorm``
+#: and no orthogonal rotation of the residual stream commutes with the block
+#: (transformers ``models/gemma3/modeling_gemma3.py``, v5.25.0).
+GEMMA3 = AttentionKind(
+    name="gqa",
+    adapter="GQAAdapter",
+    fa_quant_type="FAQuant",
+    observed=GQA.observed,
+    rope=GQA.rope + "; sliding layers use their own theta",
+    linear_plan="gemma3",
+    residual_rotation=False,
+    paged_emulation=True,
+    kv_cache_targets=True,
+    carried_layers=False,
+    norm_offset=1.0,
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -96,6 +124,7 @@ FAMILIES: dict[str, AttentionKind] = {
     "qwen3": GQA,
     "mistral": GQA,
     "deepseek_v3": MLA,
+    "gemma3_text": GEMMA3,
 }
 
 
@@ -112,6 +141,12 @@ def model_types(**wanted: object) -> tuple[str, ...]:
         for t, kind in FAMILIES.items()
         if all(getattr(kind, k) == v for k, v in wanted.items())
     )
+
+
+def norm_offset(model_type: str | None) -> float:
+    """What ``model_type``'s RMSNorms add to their weight (0 when none declared)."""
+    kind = attention_kind(model_type)
+    return kind.norm_offset if kind is not None else 0.0
 
 
 def is_mla(model_type: str | None) -> bool:

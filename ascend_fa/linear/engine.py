@@ -36,8 +36,10 @@ from torch import nn
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import norm_offset
 
 from .experts import W8A8DynamicExperts
+from .layer_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
@@ -113,8 +115,6 @@ _PHASES = (
     "propagate",
     "checkpoint",
 )
-#: ``(hidden [B, S, H], layer kwargs, token mask [B, S])`` of one batch at a layer.
-LayerInputs = tuple[torch.Tensor, dict[str, Any], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -268,10 +268,6 @@ class LinearResult:
         }
 
 
-class _Stop(Exception):
-    """Raised by a capture hook to end a forward early."""
-
-
 def swap_group(model: nn.Module, modules: dict[str, nn.Module]) -> None:
     """Put each ``name -> module`` in place (``set_submodule``)."""
     for name, module in modules.items():
@@ -285,44 +281,6 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"{type(model).__name__}: no model.layers decoder stack to calibrate"
         )
     return layers
-
-
-def capture_layer_inputs(
-    model: nn.Module, layer: nn.Module, batches: Iterable[dict[str, torch.Tensor]]
-) -> list[LayerInputs]:
-    """``(hidden [B, S, H], layer kwargs, token mask [B, S])`` per batch: the inputs
-    of ``layer`` (the first decoder layer), captured by a pre-hook that ends the
-    forward there (nothing after it runs, nor needs weights)."""
-    caught: list[tuple[torch.Tensor, dict[str, Any]]] = []
-
-    def grab(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        caught.append(
-            (hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        )
-        raise _Stop
-
-    # Prepended: runs before any other pre-hook of the layer (a streamed model's
-    # loader), so capturing reads none of the layer's weights.
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True, prepend=True)
-    out = []
-    try:
-        for batch in batches:
-            try:
-                model(**batch, use_cache=False)
-            except _Stop:
-                pass
-            hidden, kwargs = caught.pop()
-            mask = batch.get("attention_mask")
-            mask = (
-                torch.ones(hidden.shape[:2], dtype=torch.bool)
-                if mask is None
-                else mask.bool()
-            )
-            out.append((hidden.detach(), kwargs, mask.to(hidden.device)))
-    finally:
-        handle.remove()
-    return out
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -344,7 +302,14 @@ def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> N
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
     if group.norm is not None:
         norm = model.get_submodule(group.norm)
-        norm.weight.data.div_(s.to(norm.weight))
+        # A norm scaling by (offset + w) (Gemma: 1 + w) carries 1/s as
+        # (offset + w) / s - offset; computed in float64, stored in its dtype.
+        off = norm_offset(getattr(model.config, "model_type", None))
+        w = norm.weight.data
+        if off:
+            w.copy_(((w.double() + off) / s.to(w.device, torch.float64) - off).to(w))
+        else:
+            w.div_(s.to(w))
     if group.fold is not None:
         src = model.get_submodule(group.fold)
         rows = s
@@ -430,7 +395,7 @@ def observe_layer(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -463,7 +428,7 @@ def _count_rows(
     try:
         for hidden, kwargs, mask in inputs:
             current["mask"] = mask
-            layer(hidden, **kwargs)
+            layer(hidden, **layer_kwargs(layer, kwargs))
     finally:
         for h in handles:
             h.remove()
@@ -573,7 +538,7 @@ class LinearCheckpoint(Protocol):
 
 def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
     for i, (hidden, kwargs, mask) in enumerate(inputs):
-        out = layer(hidden, **kwargs)
+        out = layer(hidden, **layer_kwargs(layer, kwargs))
         out = out[0] if isinstance(out, tuple) else out
         inputs[i] = (out.detach(), kwargs, mask)
 

@@ -44,6 +44,7 @@ from torch import nn
 from ascend_fa.metrics import token_kl
 
 from .engine import GroupRecord, LayerInputs, LinearConfig, LinearResult, swap_group
+from .layer_inputs import layer_kwargs
 
 __all__ = [
     "LayerFallback",
@@ -156,7 +157,7 @@ def float_cap(config: LinearConfig, num_linears: int) -> int:
 def _layer_outputs(layer: nn.Module, scan: Sequence[LayerInputs]) -> list[torch.Tensor]:
     outs = []
     for hidden, kwargs, _mask in scan:
-        out = layer(hidden, **kwargs)
+        out = layer(hidden, **layer_kwargs(layer, kwargs))
         outs.append((out[0] if isinstance(out, tuple) else out).detach())
     return outs
 

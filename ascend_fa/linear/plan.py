@@ -30,7 +30,15 @@ deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
                 ``o`` o_proj                                -
                 dense MLP: ``gate_up``, ``down``            as above
                 MoE: ``shared_gate_up``, ``shared_down``    -, shared ``up_proj``
+gemma3_text     as llama, but ``gate_up``                   pre_feedforward_layernorm
 ==============  ==========================================  =====================
+
+Gemma 3's ``post_attention_layernorm`` and ``post_feedforward_layernorm`` normalize
+the attention and MLP *outputs* before the residual add (transformers
+``models/gemma3/modeling_gemma3.py`` ``Gemma3DecoderLayer.forward``, v5.25.0): the
+MLP's input norm is ``pre_feedforward_layernorm``. Its norms scale by
+``1 + weight`` (:attr:`ascend_fa.families.AttentionKind.norm_offset`), so the
+engine folds ``1 / s`` as ``(1 + w) / s - 1``.
 
 Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLOAT);
 DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
@@ -127,7 +135,12 @@ def _linear(model: nn.Module, name: str) -> nn.Module:
     return mod
 
 
-def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+def _gqa_layer(
+    model: nn.Module,
+    cfg,  # noqa: ANN001
+    i: int,
+    mlp_norm: str = "post_attention_layernorm",
+) -> LayerPlan:
     p = f"model.layers.{i}"
     a, m = f"{p}.self_attn", f"{p}.mlp"
     heads = int(cfg.num_attention_heads)
@@ -155,11 +168,16 @@ def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
                 f"{m}.gate_up",
                 "gate_up",
                 (f"{m}.gate_proj", f"{m}.up_proj"),
-                norm=f"{p}.post_attention_layernorm",
+                norm=f"{p}.{mlp_norm}",
             ),
             LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
         ],
     )
+
+
+def _gemma3_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+    # Sandwich norms: the MLP reads pre_feedforward_layernorm (see the module doc).
+    return _gqa_layer(model, cfg, i, mlp_norm="pre_feedforward_layernorm")
 
 
 def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
@@ -216,7 +234,11 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
 
 
 #: An attention kind's ``linear_plan`` -> the builder of one layer's plan.
-_LAYER_PLANS = {"gqa": _gqa_layer, "deepseek_v3": _deepseek_layer}
+_LAYER_PLANS = {
+    "gqa": _gqa_layer,
+    "deepseek_v3": _deepseek_layer,
+    "gemma3": _gemma3_layer,
+}
 
 
 def linear_plan(model: nn.Module) -> list[LayerPlan]:

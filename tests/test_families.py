@@ -26,7 +26,9 @@ def test_the_consumers_derive_their_model_types_from_the_registry():
     assert supported_model_types() == sorted(families.FAMILIES)
     gqa = tuple(t for t, k in families.FAMILIES.items() if k is families.GQA)
     assert gqa == ("llama", "qwen2", "qwen3", "mistral")
-    assert GQA_MODEL_TYPES == ROTATABLE_MODEL_TYPES == SUPPORTED_MODEL_TYPES == gqa
+    assert GQA_MODEL_TYPES == ROTATABLE_MODEL_TYPES == gqa
+    # gemma3_text: GQA attention, its own linear plan, no residual rotation
+    assert SUPPORTED_MODEL_TYPES == (*gqa, "gemma3_text")
     assert families.is_mla("deepseek_v3") and not families.is_mla("llama")
     assert not families.is_mla(None) and families.attention_kind("gpt2") is None
     assert families.model_types(kv_cache_targets=False) == ("deepseek_v3",)

@@ -36,6 +36,7 @@ from ascend_fa.linear.layer_inputs import (  # noqa: E402
     capture_layer_inputs,
     layer_kwargs,
 )
+from ascend_fa.linear.norm_fold import fold_offset_norm  # noqa: E402
 from ascend_fa.linear.plan import linear_plan  # noqa: E402
 from ascend_fa.transforms.attention import fold_qk_smoothing  # noqa: E402
 from ascend_fa.transforms.residual import rotate_residual  # noqa: E402
@@ -59,8 +60,8 @@ GEMMA = dict(
 ATTN = [f"model.layers.{i}.self_attn" for i in range(4)]
 CAL = ["--num-samples", "4", "--max-length", "32", "--batch-size", "2"]
 CAL += ["--heldout", "1", "--no-report", "-q"]
-#: fp32 budget of a smoothing fold: the folded weights are rounded once to fp32
-#: (relative 2**-24 each) and the 4-layer forward re-associates nothing else.
+#: fp32 budget of a smoothing fold: each folded weight and factor is rounded once to
+#: fp32 (relative 2**-24) and the 4-layer forward re-associates nothing else.
 FOLD_RTOL = 1e-5
 
 
@@ -123,37 +124,72 @@ def test_family_is_gqa_with_its_own_plan_and_no_residual_rotation():
 
 
 @torch.no_grad()
+def test_offset_norm_fold_against_a_naive_rounding():
+    """:func:`fold_offset_norm` into bf16: the stored weight is ``bf16(m / s - 1)``
+    (rounded once, from float64), a multiplier that would round to zero keeps
+    ``-1 + eps``, and ``(1 + stored) * s_eff`` is the unsmoothed multiplier."""
+    g = torch.Generator().manual_seed(5)
+    w = 0.3 * torch.randn(256, generator=g)
+    s = torch.exp(3 * torch.randn(256, generator=g))  # up to ~e^9: some underflow
+    s[:4] = torch.tensor([1e4, 3e3, 1.0, 0.01])
+    m = w.double() + 1
+    stored = w.clone()
+    s_eff = fold_offset_norm(stored, s, 1.0, torch.bfloat16)
+    naive = (m / s.double() - 1).to(torch.bfloat16).float()
+    lost = naive == -1
+    assert bool(lost[:2].all()) and not bool(lost[2:4].any())
+    eps = torch.finfo(torch.bfloat16).eps
+    assert torch.equal(stored[~lost], naive[~lost])
+    assert torch.equal(stored[lost], torch.full_like(stored[lost], -1 + eps))
+    assert torch.equal(stored, stored.to(torch.bfloat16).float())
+    back = (stored.double() + 1) * s_eff.double()
+    assert float(((back - m) / m).abs().max()) <= 2**-23
+
+
+@torch.no_grad()
 def test_norm_folds_keep_the_float_model_within_fp32():
-    """Every smoothable group of every layer folded with random factors (norms as
-    ``(1 + w) / s - 1``, ``v_proj`` / ``up_proj`` rows; ``o``'s tied over the query
-    heads of a KV head), and qk-smoothing into
-    ``q_norm`` / ``k_norm``: the float logits stay within :data:`FOLD_RTOL` of the
-    unsmoothed model's; folding as a plain ``w / s`` would not."""
+    """Every smoothable group of every layer folded with random factors (norms
+    stored in bf16 as ``(1 + w) / s - 1``, ``v_proj`` / ``up_proj`` rows; ``o``'s
+    tied over the query heads of a KV head), and qk-smoothing into ``q_norm`` /
+    ``k_norm``: the float logits stay within :data:`FOLD_RTOL` of the unsmoothed
+    model's. Folding as a plain ``w / s`` would not, nor would the bf16 norm
+    weights with the columns times ``s`` instead of ``s_eff``."""
     ids = _ids(24)
     model = tiny_gemma()
     ref = model(ids).logits
-    g = torch.Generator().manual_seed(7)
-    for plan in linear_plan(model):
-        for group in plan.groups:
-            k = model.get_submodule(group.linears[0]).in_features
-            s = torch.exp(torch.randn(k // group.tie, generator=g))
-            if group.tie > 1:  # o: one factor per KV head's channel, as searched
-                s = s.view(-1, 1, group.head_dim).expand(-1, group.tie, -1)
-            _apply_smoothing(model, group, s.reshape(k))
+
+    def fold(net: torch.nn.Module, dtype: torch.dtype | None) -> None:
+        g = torch.Generator().manual_seed(7)
+        for plan in linear_plan(net):
+            for group in plan.groups:
+                k = net.get_submodule(group.linears[0]).in_features
+                s = torch.exp(2 * torch.randn(k // group.tie, generator=g))
+                if group.tie > 1:  # o: one factor per KV head's channel, as searched
+                    s = s.view(-1, 1, group.head_dim).expand(-1, group.tie, -1)
+                _apply_smoothing(net, group, s.reshape(k), dtype)
+
+    fold(model, torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
     for name in ATTN:
         f = torch.exp(0.5 * torch.randn(1, GEMMA["head_dim"] // 2, generator=g))
         fold_qk_smoothing(model.get_submodule(name), f)
     got = model(ids).logits
-    torch.testing.assert_close(
-        got, ref, rtol=FOLD_RTOL, atol=FOLD_RTOL * ref.abs().max()
-    )
+    budget = FOLD_RTOL * ref.abs().max()
+    torch.testing.assert_close(got, ref, rtol=FOLD_RTOL, atol=budget)
+
+    plain = tiny_gemma()  # fp32 norm weights: the same fold without any rounding
+    fold(plain, None)
+    torch.testing.assert_close(plain(ids).logits, ref, rtol=FOLD_RTOL, atol=budget)
+    for name, p in plain.named_parameters():  # then rounded, columns left as they are
+        if name.endswith("layernorm.weight"):
+            p.copy_(p.to(torch.bfloat16).float())
+    assert (plain(ids).logits - ref).abs().max() > 100 * budget
 
     wrong = tiny_gemma()  # the llama fold (w / s) on Gemma's norms
     wrong.config.model_type = "llama"
-    group = linear_plan(model)[0].groups[0]
-    _apply_smoothing(wrong, group, torch.full((64,), 2.0))
+    _apply_smoothing(wrong, linear_plan(wrong)[0].groups[0], torch.full((64,), 2.0))
     wrong.config.model_type = "gemma3_text"
-    assert (wrong(ids).logits - ref).abs().max() > 100 * FOLD_RTOL * ref.abs().max()
+    assert (wrong(ids).logits - ref).abs().max() > 100 * budget
 
 
 # -- per-type layer inputs ---------------------------------------------------------

@@ -41,6 +41,7 @@ from ascend_fa.families import norm_offset
 from .experts import W8A8DynamicExperts
 from .layer_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
+from .norm_fold import fold_offset_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
@@ -294,22 +295,28 @@ def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return flat[mask.reshape(-1)]
 
 
-def _apply_smoothing(model: nn.Module, group: LinearGroup, s: torch.Tensor) -> None:
+def _apply_smoothing(
+    model: nn.Module,
+    group: LinearGroup,
+    s: torch.Tensor,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Fold ``s`` ``[K]``: weights' columns times ``s``; the norm weight, or the
-    producing linear's output rows (and bias), divided by it."""
+    producing linear's output rows (and bias), divided by it. A norm scaling by
+    ``offset + w`` (Gemma) is stored rounded to ``dtype`` (the artifact's; default
+    its own) and the columns take the factor it really divides out
+    (:mod:`.norm_fold`)."""
+    if group.norm is not None:
+        norm = model.get_submodule(group.norm)
+        off = norm_offset(getattr(model.config, "model_type", None))
+        if off:
+            w = norm.weight.data
+            s = fold_offset_norm(w, s, off, dtype or w.dtype)
+        else:
+            norm.weight.data.div_(s.to(norm.weight))
     for name in group.linears:
         lin = model.get_submodule(name)
         lin.weight.data.mul_(s.to(lin.weight)[None, :])
-    if group.norm is not None:
-        norm = model.get_submodule(group.norm)
-        # A norm scaling by (offset + w) (Gemma: 1 + w) carries 1/s as
-        # (offset + w) / s - offset; computed in float64, stored in its dtype.
-        off = norm_offset(getattr(model.config, "model_type", None))
-        w = norm.weight.data
-        if off:
-            w.copy_(((w.double() + off) / s.to(w.device, torch.float64) - off).to(w))
-        else:
-            w.div_(s.to(w))
     if group.fold is not None:
         src = model.get_submodule(group.fold)
         rows = s
@@ -462,7 +469,7 @@ def decide_layer(
             head_dim=group.head_dim,
         )
         if decision.smooth is not None:
-            _apply_smoothing(model, group, decision.smooth)
+            _apply_smoothing(model, group, decision.smooth, config.dtype)
         floats = {n: model.get_submodule(n) for n in group.linears}
         record = GroupRecord(group, config.quant_type, decision, float_modules=floats)
         try:

@@ -24,7 +24,7 @@ model_type     kind    notes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "FAMILIES",
@@ -103,17 +103,11 @@ MLA = AttentionKind(
 #: ``post_feedforward_layernorm``), so the MLP reads ``pre_feedforward_layernorm``
 #: and no orthogonal rotation of the residual stream commutes with the block
 #: (transformers ``models/gemma3/modeling_gemma3.py``, v5.25.0).
-GEMMA3 = AttentionKind(
-    name="gqa",
-    adapter="GQAAdapter",
-    fa_quant_type="FAQuant",
-    observed=GQA.observed,
+GEMMA3 = replace(
+    GQA,
     rope=GQA.rope + "; sliding layers use their own theta",
     linear_plan="gemma3",
     residual_rotation=False,
-    paged_emulation=True,
-    kv_cache_targets=True,
-    carried_layers=False,
     norm_offset=1.0,
 )
 

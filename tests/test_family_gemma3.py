@@ -239,7 +239,7 @@ def test_mindie_default_linears_and_fa_on_every_layer(mindie):
         assert desc["lm_head.weight"] == "FLOAT"
 
 
-def test_vllm_fp8_kv_on_every_layer(src, tmp_path):
+def test_vllm_fp8_kv_on_every_layer_and_its_eval(src, tmp_path):
     out = tmp_path / "vllm"
     args = ["calibrate", "--model", str(src), *CAL, "--target", "vllm"]
     assert main([*args, "--output", str(out)]) == 0
@@ -247,6 +247,11 @@ def test_vllm_fp8_kv_on_every_layer(src, tmp_path):
     with safe_open(str(out / "quant_model_weights.safetensors"), "pt") as f:
         names = set(f.keys())
     assert {f"{a}.{s}_scale" for a in ATTN for s in "kv"} <= names
+    report = tmp_path / "eval.json"
+    args = ["eval", "--model", str(src), "--artifact", str(out), "-q"]
+    args += ["--window", "16", "--max-tokens", "64", "--json", str(report)]
+    assert main(args) == 0
+    assert all(a in report.read_text() for a in ATTN)
 
 
 @pytest.mark.parametrize("release", [r.name for r in RELEASES if r.target != "mindie"])

@@ -1,4 +1,5 @@
-"""FAQuant adapter for transformers' GQA/MHA decoders: llama, qwen2, qwen3, mistral.
+"""FAQuant adapter for transformers' GQA/MHA decoders: llama, qwen2, qwen3, mistral,
+gemma3_text (its sliding-window and full layers alike).
 
 The registered attention function (see :mod:`.base`) runs the module's
 ``fa_q``/``fa_k``/``fa_v`` on

@@ -313,6 +313,14 @@ def test_paged_emulation_up_to_the_window_and_refused_past_it():
         rt.generate(ids[:, :4], max_new_tokens=4)  # 8 tokens: within the window
 
 
+def test_paged_emulation_refuses_bidirectional_attention():
+    model = tiny_gemma()
+    model.config.use_bidirectional_attention = True
+    with pytest.raises(ValueError, match="use_bidirectional_attention") as err:
+        enable_paged_int8_attention(model, mode="float")
+    assert "\n" not in str(err.value)
+
+
 def test_emulate_cli(src, mindie, capsys):
     args = ["emulate", "--model", str(src), "--artifact", str(mindie), "-q"]
     short = ["--prompt", "abc", "--max-new-tokens", "4", "--window", str(WINDOW)]

@@ -176,6 +176,11 @@ class QuantizedKVRuntime:
                 f"model type {model_type!r} is not supported by the paged emulation "
                 f"(supported: {', '.join(model_types(paged_emulation=True))})"
             )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(
+                f"model type {model_type!r} with use_bidirectional_attention: its "
+                "tokens attend later tokens too, and the paged kernels are causal"
+            )
         if model.__dict__.get(_ROOT_ATTR) is not None:
             raise ValueError(
                 "paged attention is already enabled on this model; call .remove() on "

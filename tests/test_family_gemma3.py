@@ -27,6 +27,7 @@ from safetensors import safe_open  # noqa: E402
 
 from ascend_fa.adapters import GQAAdapter, get_adapter  # noqa: E402
 from ascend_fa.artifact import DESCRIPTION_FILE, RELEASES, inspect_artifact  # noqa: E402
+from ascend_fa.artifact.model_files import with_transformers4_rope  # noqa: E402
 from ascend_fa.cli import main  # noqa: E402
 from ascend_fa.emulation import enable_paged_int8_attention  # noqa: E402
 from ascend_fa.errors import UnsupportedError  # noqa: E402
@@ -237,6 +238,27 @@ def test_mindie_default_linears_and_fa_on_every_layer(mindie):
         for lin in ("gate_proj", "up_proj", "down_proj"):
             assert f.get_tensor(f"{mlp}.{lin}.weight").dtype == torch.int8
         assert desc["lm_head.weight"] == "FLOAT"
+
+
+def test_config_gains_the_transformers4_rope_keys(mindie):
+    """A transformers-4 reader of the artifact's config.json gets Gemma 3's two
+    RoPEs (``rope_theta``, ``rope_local_base_freq``); transformers 5 reads the same
+    ``rope_parameters`` back."""
+    cfg = json.loads((mindie / "config.json").read_text())
+    assert cfg["rope_theta"] == 1e6 and cfg["rope_local_base_freq"] == 1e4
+    assert "rope_scaling" not in cfg  # the default RoPE: nothing to scale
+    back = transformers.AutoConfig.from_pretrained(mindie)
+    assert back.rope_parameters == tiny_gemma().config.rope_parameters
+    scaled = {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        "rope_theta": 5e5,  # present: never changed
+    }
+    out = with_transformers4_rope(scaled)
+    assert out["rope_scaling"] == {"factor": 8.0, "rope_type": "linear"}
+    assert out["rope_theta"] == 5e5 and out["rope_local_base_freq"] == 1e4
 
 
 def test_vllm_fp8_kv_on_every_layer_and_its_eval(src, tmp_path):

@@ -17,9 +17,22 @@ model_type     kind    notes
 ``qwen3``      gqa     as llama, per-head q_norm / k_norm before RoPE
 ``mistral``    gqa     as llama
 ``deepseek_v3``  mla   absorbed MLA latent, decoupled RoPE; MoE; MTP layer
+``qwen3_moe``  gqa     as qwen3; MoE (routed experts only)
+``qwen2_moe``  gqa     as qwen2; MoE, one shared expert behind a sigmoid gate
+``glm4_moe``   gqa     partial RoPE; first dense layers, then MoE with
+                       shared experts
+``mixtral``    gqa     as mistral; MoE, checkpoint experts ``w1/w3/w2``
+                       under ``block_sparse_moe``
+``minimax_m2`` gqa     partial RoPE, full-width q_norm / k_norm; MoE as
+                       mixtral
 ``gemma3_text``  gqa   as qwen3; sliding / full layers (``layer_types``);
                        norms scale by ``1 + weight``; sandwich norms
 =============  ======  ===============================================
+
+The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
+routed experts (transformers 5's fused ``experts.gate_up_proj`` / ``down_proj``
+parameters), the shared expert(s) and the shared-expert gate sit in a decoder
+layer, and the per-expert checkpoint names the consumers load.
 """
 
 from __future__ import annotations
@@ -30,10 +43,14 @@ __all__ = [
     "FAMILIES",
     "GEMMA3",
     "GQA",
+    "GQA_MOE",
     "MLA",
     "AttentionKind",
     "attention_kind",
     "is_mla",
+    "MOE_LAYOUTS",
+    "MoeLayout",
+    "moe_layout",
     "model_types",
     "norm_offset",
 ]
@@ -82,6 +99,10 @@ GQA = AttentionKind(
     carried_layers=False,
 )
 
+#: GQA attention with a MoE MLP: as :data:`GQA`, without the residual rotation
+#: (it rotates dense ``gate/up/down_proj`` only, not fused experts and routers).
+GQA_MOE = replace(GQA, residual_rotation=False)
+
 MLA = AttentionKind(
     name="mla",
     adapter="DeepseekV3Adapter",
@@ -101,12 +122,12 @@ MLA = AttentionKind(
 #: RMSNorms scale by ``1 + weight`` and the attention and MLP outputs pass through
 #: their own norms before the residual add (``post_attention_layernorm``,
 #: ``post_feedforward_layernorm``), so the MLP reads ``pre_feedforward_layernorm``
-#: and no orthogonal rotation of the residual stream commutes with the block
-#: (transformers ``models/gemma3/modeling_gemma3.py``, v5.25.0).
+#: (the GQA plan folds gate/up there) and no orthogonal rotation of the residual
+#: stream commutes with the block (transformers ``models/gemma3/modeling_gemma3.py``,
+#: v5.25.0).
 GEMMA3 = replace(
     GQA,
     rope=GQA.rope + "; sliding layers use their own theta",
-    linear_plan="gemma3",
     residual_rotation=False,
     norm_offset=1.0,
 )
@@ -118,8 +139,58 @@ FAMILIES: dict[str, AttentionKind] = {
     "qwen3": GQA,
     "mistral": GQA,
     "deepseek_v3": MLA,
+    "qwen3_moe": GQA_MOE,
+    "qwen2_moe": GQA_MOE,
+    "glm4_moe": GQA_MOE,
+    "mixtral": GQA_MOE,
+    "minimax_m2": GQA_MOE,
     "gemma3_text": GEMMA3,
 }
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    """Where a MoE decoder layer keeps its experts (names relative to the layer).
+
+    ``block``: the MLP module (a MoE block in MoE layers, a dense MLP with
+    ``gate_proj`` in dense ones); its ``experts`` child holds the routed experts;
+    ``shared``: the shared expert MLP inside ``block`` (None: none); ``shared_gate``:
+    the ``[1, H]`` linear whose sigmoid scales the shared expert's output (kept
+    float: a one-row GEMM, and the consumers declare it unquantized);
+    ``checkpoint_block`` / ``projections``: the checkpoint's name of ``block`` and
+    of each expert's gate / up / down projection, which the consumers' expert
+    mappings read: Mixtral and MiniMax-M2 load
+    ``block_sparse_moe.experts.{e}.w1/w3/w2`` (vllm 0.32.0
+    ``vllm/model_executor/models/mixtral.py`` / ``minimax_m2.py``,
+    ``ckpt_names=("w1", "w2", "w3")``), the others
+    ``mlp.experts.{e}.gate_proj/up_proj/down_proj``.
+    """
+
+    block: str = "mlp"
+    shared: str | None = None
+    shared_gate: str | None = None
+    checkpoint_block: str = "mlp"
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+_MIXTRAL_MOE = MoeLayout(
+    checkpoint_block="block_sparse_moe", projections=("w1", "w3", "w2")
+)
+
+#: ``config.model_type`` -> the layout of its MoE layers (MoE families only).
+MOE_LAYOUTS: dict[str, MoeLayout] = {
+    "deepseek_v3": MoeLayout(shared="shared_experts"),
+    "qwen3_moe": MoeLayout(),
+    "qwen2_moe": MoeLayout(shared="shared_expert", shared_gate="shared_expert_gate"),
+    "glm4_moe": MoeLayout(shared="shared_experts"),
+    "mixtral": _MIXTRAL_MOE,
+    "minimax_m2": _MIXTRAL_MOE,
+}
+
+
+def moe_layout(model_type: str | None) -> MoeLayout | None:
+    """The MoE layout of ``model_type`` (None for a dense or unknown family)."""
+    return MOE_LAYOUTS.get(model_type) if model_type is not None else None
 
 
 def attention_kind(model_type: str | None) -> AttentionKind | None:

@@ -58,6 +58,7 @@ __all__ = [
     "files_tag",
     "require_transformers5",
     "attention_function",
+    "rotary_dim",
     "used_weight_conversions",
     "revert_to_checkpoint_names",
     "output_cache",
@@ -201,3 +202,25 @@ def tied_weight_keys(model: Any) -> set[str]:
     if not getattr(cfg, "tie_word_embeddings", False):
         return set()
     return set(getattr(model, "_tied_weights_keys", None) or ())
+
+
+def rotary_dim(config: Any) -> int | None:
+    """How many leading channels of a head RoPE rotates (rotate-half pairs over
+    them), or None when it rotates the whole head: ``config.rotary_dim``
+    (MiniMax-M2), else ``head_dim * partial_rotary_factor`` (GLM-4-MoE,
+    Qwen3-Next), read at the top level (transformers 4) or in
+    ``rope_parameters`` (transformers 5), as transformers' RoPE init computes it."""
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    head_dim = getattr(config, "head_dim", None) or (
+        int(config.hidden_size) // heads if heads else None
+    )
+    explicit = getattr(config, "rotary_dim", None)
+    if isinstance(explicit, int) and head_dim and 0 < explicit < int(head_dim):
+        return explicit
+    factor = getattr(config, "partial_rotary_factor", None)
+    rope = getattr(config, "rope_parameters", None)
+    if factor is None and isinstance(rope, dict):
+        factor = rope.get("partial_rotary_factor")
+    if not isinstance(factor, int | float) or not head_dim or not 0 < factor < 1:
+        return None
+    return int(int(head_dim) * float(factor))

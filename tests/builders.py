@@ -14,6 +14,8 @@ import torch
 
 __all__ = [
     "DEEPSEEK_TINY",
+    "MOE_TINY",
+    "save_tiny_moe",
     "byte_tokenizer",
     "tiny_causal_lm",
     "tiny_deepseek",
@@ -50,6 +52,51 @@ DEEPSEEK_TINY: dict[str, Any] = dict(
     topk_group=1,
     first_k_dense_replace=1,
 )
+
+
+_MOE_COMMON: dict[str, Any] = dict(
+    vocab_size=260,
+    max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts_per_tok=2,
+)
+#: Tiny MoE checkpoints of the GQA + MoE families: 4 layers, 4 routed experts,
+#: every family's own MLP layout (shared experts, gates, first dense layers,
+#: partial RoPE) switched on.
+MOE_TINY: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32),
+    "qwen2_moe": dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    ),
+    "glm4_moe": dict(
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        partial_rotary_factor=0.5,
+    ),
+    "mixtral": dict(num_local_experts=4),
+    "minimax_m2": dict(
+        num_local_experts=4, rotary_dim=8, bos_token_id=None, eos_token_id=257
+    ),
+}
+
+
+def save_tiny_moe(path: Path, model_type: str, *, seed: int = 0, **extra: Any) -> Path:
+    """A bf16 tiny checkpoint of MoE ``model_type`` (:data:`MOE_TINY`) with the
+    byte tokenizer."""
+    config = {**_MOE_COMMON, **MOE_TINY[model_type], **extra}
+    model = tiny_causal_lm(model_type, seed=seed, attn=None, **config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
 
 
 def byte_tokenizer(padding_side: str = "right") -> Any:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from builders import DEEPSEEK_TINY, byte_tokenizer, tiny_causal_lm
+from builders import DEEPSEEK_TINY, MOE_TINY, byte_tokenizer, tiny_causal_lm
 from safetensors import safe_open
 
 from ascend_fa import parallel
@@ -57,6 +57,8 @@ def _checkpoint(tmp: Path, model_type: str = "llama") -> tuple[Path, Path]:
     cfg = GQA
     if model_type == "deepseek_v3":  # MLA, a dense first layer, routed + shared
         cfg = dict(vocab_size=260, max_position_embeddings=128, **DEEPSEEK_TINY)
+    elif model_type in MOE_TINY:  # routed experts per token next to static W8A8
+        cfg = {**GQA, **MOE_TINY[model_type]}
     model = tiny_causal_lm(model_type, attn=None, **cfg).to(torch.bfloat16)
     model.save_pretrained(src, max_shard_size="30KB")
     byte_tokenizer().save_pretrained(src)
@@ -311,6 +313,7 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
         ),
         (["--target", "vllm-ascend", "--streaming", "--model-type=deepseek_v3"], 2, 6),
         (["--linear", "w8a8"], 2, 6),
+        (["--model-type=qwen2_moe"], 2, 6),
         (["--linear", "w8a8", "--streaming"], 2, 6),
         (["--linear", "w8a8", "--streaming", "--linear-fallback", "0"], 3, 4),
         (["--linear", "none", "--target", "vllm-ascend", *C8_RELEASE], 2, 6),
@@ -325,6 +328,7 @@ def _torchrun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
         "kl-budget-transforms",
         "deepseek-mla-streaming",
         "w8a8",
+        "moe-mindie-default",
         "w8a8-streaming",
         "w8a8-streaming-empty-rank",
         "c8",

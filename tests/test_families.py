@@ -25,10 +25,13 @@ from ascend_fa.transforms.residual import (  # noqa: E402
 def test_the_consumers_derive_their_model_types_from_the_registry():
     assert supported_model_types() == sorted(families.FAMILIES)
     gqa = tuple(t for t, k in families.FAMILIES.items() if k is families.GQA)
-    assert gqa == ("llama", "qwen2", "qwen3", "mistral")
-    assert GQA_MODEL_TYPES == ROTATABLE_MODEL_TYPES == gqa
-    # gemma3_text: GQA attention, its own linear plan, no residual rotation
-    assert SUPPORTED_MODEL_TYPES == (*gqa, "gemma3_text")
+    assert gqa[:4] == ("llama", "qwen2", "qwen3", "mistral")
+    moe = tuple(t for t, k in families.FAMILIES.items() if k is families.GQA_MOE)
+    assert {"qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral", "minimax_m2"} <= set(moe)
+    assert ROTATABLE_MODEL_TYPES == gqa
+    # gemma3_text: GQA attention and plan, no residual rotation (sandwich norms)
+    gemma = ("gemma3_text",)
+    assert GQA_MODEL_TYPES == SUPPORTED_MODEL_TYPES == gqa + moe + gemma
     assert families.is_mla("deepseek_v3") and not families.is_mla("llama")
     assert not families.is_mla(None) and families.attention_kind("gpt2") is None
     assert families.model_types(kv_cache_targets=False) == ("deepseek_v3",)

@@ -207,3 +207,18 @@ def test_calibrate_inspect_eval_emulate(tmp_path, capsys, model_type, target):
     )
     assert rc == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "m.json").read_text())
+
+
+def test_rotary_dim_reads_both_spellings_of_partial_rope():
+    from types import SimpleNamespace as NS
+
+    from ascend_fa.hf_compat import rotary_dim
+
+    base = dict(num_attention_heads=4, hidden_size=64)
+    assert rotary_dim(NS(**base, head_dim=16)) is None
+    assert rotary_dim(NS(**base, head_dim=16, partial_rotary_factor=0.5)) == 8
+    rope = {"partial_rotary_factor": 0.25, "rope_theta": 1e4}
+    assert rotary_dim(NS(**base, head_dim=None, rope_parameters=rope)) == 4
+    assert rotary_dim(NS(**base, head_dim=16, rotary_dim=8)) == 8
+    assert rotary_dim(NS(**base, head_dim=16, rotary_dim=16)) is None
+    assert rotary_dim(NS(**base, head_dim=16, partial_rotary_factor=1.0)) is None

@@ -53,8 +53,10 @@ from .format import (
     FA_TENSOR,
     KV_STRATEGIES,
     LINEAR_QUANT_TYPES,
+    MOE_QUANTIZE_KEY,
     VLLM_KV_TENSOR,
     is_meta_key,
+    mixed_moe_linears,
 )
 from .model_files import rope_findings
 
@@ -215,6 +217,15 @@ def _mindie(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             f"model_quant_type: {mqt!r}; MindIE sets quantize = "
             "model_quant_type.lower() and accepts only quantized types, not 'float' "
             f"({_MINDIE} models/base/router.py, config.py __check_quantize)"
+        )
+    mixed = mixed_moe_linears({k: v for k, v in desc.items() if isinstance(v, str)})
+    if mixed and (v.config or {}).get(MOE_QUANTIZE_KEY) != "w8a8_dynamic":
+        out.append(
+            f"config.json: {MOE_QUANTIZE_KEY} is not 'w8a8_dynamic' while the MoE "
+            "experts are W8A8_DYNAMIC next to W8A8 (model_quant_type W8A8): MindIE "
+            "would run them with the static W8A8 kernels "
+            f"({_MINDIE} models/deepseekv2/flash_causal_deepseekv2.py, "
+            "models/mixtral/modeling_mixtral.py)"
         )
     if desc.get("fa_quant_type") not in FA_QUANT_TYPES:
         out.append(

@@ -32,11 +32,14 @@ the file holds ``[H, 1]`` and a loader may expand it to ``[H, head_dim]`` (seed
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 __all__ = [
+    "MOE_QUANTIZE_KEY",
+    "mixed_moe_linears",
     "TARGETS",
     "DEFAULT_TARGET",
     "ASCEND_TARGETS",
@@ -311,3 +314,23 @@ def disk_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
     if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
         raise ValueError(f"{name} must be finite and > 0")
     return s.reshape(-1, 1).contiguous()
+
+
+#: The config.json key by which MindIE quantizes the MoE experts unlike the rest
+#: (``quantize``, from ``model_quant_type``): Ascend/MindIE-LLM @8b4871a
+#: ``examples/atb_models/atb_llm/models/deepseekv2/flash_causal_deepseekv2.py``
+#: (``self.moe_quantize = getattr(config, "moe_quantize", self.quantize)``, the
+#: experts' kernels), ``models/mixtral/modeling_mixtral.py`` and
+#: ``models/glm4_moe/modeling_glm4_moe.py`` (``config.quantize =
+#: config.moe_quantize`` while the experts' pack type is computed).
+MOE_QUANTIZE_KEY = "moe_quantize"
+
+
+def mixed_moe_linears(types: Mapping[str, str]) -> bool:
+    """Whether static W8A8 linears sit next to W8A8_DYNAMIC MoE experts (routed
+    or shared): ``model_quant_type`` is then ``W8A8`` and MindIE needs
+    :data:`MOE_QUANTIZE_KEY` to run the experts per token."""
+    values = set(types.values())
+    return "W8A8" in values and any(
+        t == "W8A8_DYNAMIC" and "expert" in n for n, t in types.items()
+    )

@@ -56,7 +56,13 @@ from .format import (
     is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
-from .releases import architecture, release_findings, release_scheme, resolve_release
+from .releases import (
+    architecture,
+    release_findings,
+    release_notes,
+    release_scheme,
+    resolve_release,
+)
 
 __all__ = ["inspect_artifact", "natural_key", "scale_findings"]
 
@@ -383,8 +389,7 @@ def inspect_artifact(
     if target is not None and where:
         view = header_view(where, config, desc if has_desc else None)
         findings.extend(target_findings(target, view))
-        scheme = release_scheme(target, view.mla)
-        findings.extend(release_findings(target, release, scheme, architecture(config)))
+        _release_checks(target, release, view, config, findings, result)
     total = sum(p.stat().st_size for p in files)
     result["summary"] = {
         "target": target,
@@ -402,6 +407,21 @@ def inspect_artifact(
     result["layers"] = layers
     result["valid"] = not findings
     return result
+
+
+def _release_checks(
+    target: str,
+    release: Any,
+    view: Any,
+    config: dict[str, Any] | None,
+    findings: list[str],
+    result: dict[str, Any],
+) -> None:
+    """The release table's refusal (a finding) and caveats (``result["notes"]``)
+    for what ``target`` writes for this architecture."""
+    scheme, arch = release_scheme(target, view.mla), architecture(config)
+    findings.extend(release_findings(target, release, scheme, arch))
+    result["notes"] = release_notes(target, release, scheme, arch)
 
 
 def natural_key(name: str) -> list[Any]:

@@ -25,7 +25,11 @@ vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausa
                    (``get_cache_scale_mapper``);         sliding window: wrong past
                    FAKQuant                              ``sliding_window`` tokens)
 MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
-                   qwen3), FAKQuant (deepseek_v2/v3)     (rule of :mod:`.consumers`)
+                   qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
+                   the MoE models (qwen2_moe, qwen3_moe, notes: FA tensors loaded but
+                   mixtral, glm4_moe) run the linears    unused by the MoE graphs;
+                                                         no MiniMax-M2 or Gemma 3
+                                                         model
 =================  ====================================  ===========================
 
 The default release of a target is its newest stable one (:data:`DEFAULT_RELEASE`):
@@ -41,6 +45,7 @@ release not in the table has not been read.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError, UnsupportedError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Citation",
@@ -63,6 +70,7 @@ __all__ = [
     "rule_for",
     "first_loading",
     "release_findings",
+    "release_notes",
     "check_release",
 ]
 
@@ -146,6 +154,11 @@ _ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
@@ -161,8 +174,10 @@ class Rule:
     """What ``releases`` do with ``scheme`` for ``architectures`` (None: any).
 
     ``loads`` False: ``effect`` says what happens instead (``silent``: no error,
-    the model runs wrongly or unquantized). The first rule of a release matching
-    the scheme and the architecture decides."""
+    the model runs wrongly or unquantized). ``caveat``: the release loads the
+    artifact and runs it, but ``effect`` says what part of it goes unused
+    (``calibrate`` warns, ``inspect`` prints a note; neither fails). The first
+    rule of a release matching the scheme and the architecture decides."""
 
     id: str
     target: str
@@ -173,6 +188,7 @@ class Rule:
     effect: str
     citations: tuple[Citation, ...]
     silent: bool = False
+    caveat: bool = False
     #: what the refusal says the release does (default: "cannot load", or
     #: "silently ignores" for a silent rule)
     verb: str = ""
@@ -395,6 +411,59 @@ RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "mindie.no-model",
+        "mindie",
+        "FAQuant",
+        ("3.0.0",),
+        frozenset({"MiniMaxM2ForCausalLM", "Gemma3ForCausalLM"}),
+        True,
+        "MindIE has no model for this architecture (no atb_llm/models entry): the "
+        "artifact is in msModelSlim's format, but no MindIE release in the table "
+        "runs it",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/__init__.py",
+                _MINDIE300,
+                "get_model: no minimax / gemma3 folder, 'unsupported model type'",
+            ),
+        ),
+        caveat=True,
+    ),
+    Rule(
+        "mindie.fa3.moe",
+        "mindie",
+        "FAQuant",
+        ("3.0.0",),
+        frozenset(
+            {
+                "Qwen2MoeForCausalLM",
+                "Qwen3MoeForCausalLM",
+                "MixtralForCausalLM",
+                "Glm4MoeForCausalLM",
+            }
+        ),
+        True,
+        "the MoE models load the fa_q/fa_k/fa_v tensors (base attention "
+        "load_weights) but their graphs pass no enableFA3: the quantized linears "
+        "run, attention stays float (qwen3_moe routes to qwen2_moe)",
+        (
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/base/modeling.py",
+                _MINDIE300,
+                "FA3.load",
+            ),
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/models/qwen2_moe/flash_causal_qwen2_moe.py",
+                _MINDIE300,
+                "no enableFA3",
+            ),
+        ),
+        caveat=True,
+    ),
+    Rule(
         "mindie.fa3",
         "mindie",
         "FAQuant",
@@ -538,6 +607,22 @@ def _refusal(release: Release, scheme: str, arch: str | None) -> str | None:
     )
 
 
+def release_notes(
+    target: str, release: Release | None, scheme: str | None, arch: str | None
+) -> list[str]:
+    """What ``release`` loads but leaves unused for ``arch`` (a ``caveat`` rule),
+    one line with the rule and its citation; empty otherwise."""
+    if release is None or scheme is None:
+        return []
+    rule = rule_for(release, scheme, arch)
+    if rule is None or not rule.caveat:
+        return []
+    return [
+        f"{release.target} {release.name} loads {scheme} for {arch} but "
+        f"[{rule.id}]: {rule.effect} ({rule.cites()})"
+    ]
+
+
 def release_findings(
     target: str, release: Release | None, scheme: str | None, arch: str | None
 ) -> list[str]:
@@ -596,9 +681,12 @@ def check_release(
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
     mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
-    line = _refusal(release, str(release_scheme(target, mla)), architecture(config))
+    scheme, arch = str(release_scheme(target, mla)), architecture(config)
+    line = _refusal(release, scheme, arch)
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")
+    for note in release_notes(target, release, scheme, arch):
+        logger.warning("%s", note)
     return target
 
 

@@ -49,6 +49,7 @@ from .format import (
     FA_QUANT_TYPES,
     FA_WEIGHTS_NAME,
     LINEAR_QUANT_TYPES,
+    MOE_QUANTIZE_KEY,
     REPORT_FILE,
     TARGET_METADATA_KEY,
     TOKENIZER_FILES,
@@ -57,6 +58,7 @@ from .format import (
     ScaleMap,
     disk_scale,
     fa_tensor_name,
+    mixed_moe_linears,
 )
 from .lazy import LazyTensors, write_safetensors
 from .model_files import (
@@ -472,6 +474,8 @@ def export_artifact(
             cfg = target_config(
                 config or {}, target, dtype, kv_strategy=kv_strategy, source=source
             )
+            if target == "mindie" and mixed_moe_linears(types):
+                cfg[MOE_QUANTIZE_KEY] = "w8a8_dynamic"
             write_json(tmp / CONFIG_FILE, cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)

@@ -157,6 +157,8 @@ def observe_attention(
     pass, or the layer-major one: streaming reads each layer once and is
     resumable after each layer); KV-cache scales at the same points in the same
     forwards."""
+    from ascend_fa.hf_compat import rotary_dim
+
     from .kv import KVCalibration, recipe_settings
     from .pipeline import calibrate_model
 
@@ -168,6 +170,7 @@ def observe_attention(
             kv_mode,
             settings=recipe_settings(plan.recipe),
             max_tokens=len(plan.calib) * plan.max_length,
+            rotary_dim=rotary_dim(net.config),  # partial RoPE: only those pairs
         )
     t0 = time.perf_counter()
     kwargs: dict[str, Any] = dict(

@@ -72,6 +72,8 @@ def _print(result: dict[str, Any]) -> None:
                 f"  {row['module']:<40} {q!s:>7} {row['kv_heads']!s:>8} "
                 f"{cells[0]:>21} {cells[1]:>21} {cells[2]:>21}"
             )
+    for note in result.get("notes", []):
+        print(f"note: {note}")
     if result["valid"]:
         print("valid")
     else:

@@ -36,7 +36,7 @@ from torch import nn
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
-from ascend_fa.families import norm_offset
+from ascend_fa.families import moe_layout, norm_offset
 
 from .experts import W8A8DynamicExperts
 from .layer_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
@@ -334,7 +334,7 @@ def _quantize_group(
     for name in group.linears:
         lin = model.get_submodule(name)
         bias = lin.bias.detach() if lin.bias is not None else None
-        if config.quant_type == "W8A8":
+        if group.linear_type(config.quant_type) == "W8A8":
             q: QuantizedLinear = W8A8Linear.from_float(
                 lin.weight,
                 bias,
@@ -452,9 +452,9 @@ def decide_layer(
     """Step 2 of one layer: per group, last group first, choose smoothing and
     range, fold the smoothing into the float weights and build the quantized
     modules (not put in place yet). Returns the records in plan order."""
-    dynamic = config.quant_type == "W8A8_DYNAMIC"
     layer_records = []
     for group in reversed(plan.groups):
+        dynamic = group.linear_type(config.quant_type) == "W8A8_DYNAMIC"
         weight = torch.cat(
             [model.get_submodule(n).weight.detach() for n in group.linears]
         )
@@ -471,7 +471,9 @@ def decide_layer(
         if decision.smooth is not None:
             _apply_smoothing(model, group, decision.smooth, config.dtype)
         floats = {n: model.get_submodule(n) for n in group.linears}
-        record = GroupRecord(group, config.quant_type, decision, float_modules=floats)
+        record = GroupRecord(
+            group, group.linear_type(config.quant_type), decision, float_modules=floats
+        )
         try:
             record.quant_modules = dict(_quantize_group(model, group, decision, config))
         except UnsupportedError as exc:
@@ -487,7 +489,10 @@ def _experts_record(
     """The routed experts of one layer as W8A8_DYNAMIC (:mod:`.experts`)."""
     name = group.linears[0]
     float_mod = model.get_submodule(name)
-    quant = W8A8DynamicExperts.from_float(float_mod, dtype=config.dtype, name=name)
+    layout = moe_layout(getattr(model.config, "model_type", None))
+    quant = W8A8DynamicExperts.from_float(
+        float_mod, dtype=config.dtype, name=name, layout=layout
+    )
     params = list(float_mod.parameters())
     quant = quant.to(params[0].device if params else "cpu")
     return GroupRecord(
@@ -634,9 +639,10 @@ def quantize_linears(
         if scan and choose_float is not None:
             choose_float(model, layer, layer_records, scan)
         lap("fallback")
-        if plan.experts is not None and config.quant_type == "W8A8_DYNAMIC":
-            # Not a fallback candidate: no activation range to choose, and the
-            # cap counts the checkpoint's linears (3 per expert).
+        if plan.experts is not None:
+            # Per token under either --linear (msModelSlim's MoE recipes); not
+            # a fallback candidate: no activation range to choose, and the cap
+            # counts the checkpoint's linears (3 per expert).
             layer_records.append(_experts_record(model, plan.experts, config))
         place_layer(model, layer_records)
         if not keep_floats:

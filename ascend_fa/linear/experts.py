@@ -43,21 +43,46 @@ from torch import nn
 
 from ascend_fa.atb_ops.linear import dynamic_quant, quant_matmul_dynamic
 from ascend_fa.errors import FileFormatError, UnsupportedError
+from ascend_fa.families import MoeLayout
 
 from .modules import QuantizedLinear, check_linear_shape, quantize_weight
 
 __all__ = [
     "PROJECTIONS",
     "W8A8DynamicExperts",
+    "checkpoint_owner",
     "expert_tensor_owner",
+    "memory_owner",
     "is_fused_experts",
 ]
 
-#: The per-expert projections, in checkpoint order.
+#: The per-expert projections (gate, up, down), as most checkpoints name them.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _NAME = re.compile(
-    r"^(?P<owner>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$"
+    r"^(?P<owner>.+)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$"
 )
+
+
+def checkpoint_owner(owner: str, layout: MoeLayout | None) -> str:
+    """The checkpoint's name of the experts module ``owner`` (in-memory
+    ``<layer>.<block>.experts``): the block renamed as ``layout`` says
+    (Mixtral: ``mlp`` -> ``block_sparse_moe``)."""
+    if layout is None or layout.block == layout.checkpoint_block:
+        return owner
+    tail = f".{layout.block}.experts"
+    if not owner.endswith(tail):
+        return owner
+    return owner[: -len(tail)] + f".{layout.checkpoint_block}.experts"
+
+
+def memory_owner(owner: str, layout: MoeLayout | None) -> str:
+    """The inverse of :func:`checkpoint_owner`."""
+    if layout is None or layout.block == layout.checkpoint_block:
+        return owner
+    tail = f".{layout.checkpoint_block}.experts"
+    if not owner.endswith(tail):
+        return owner
+    return owner[: -len(tail)] + f".{layout.block}.experts"
 
 
 def is_fused_experts(module: nn.Module | None) -> bool:
@@ -107,11 +132,13 @@ class W8A8DynamicExperts(QuantizedLinear):
         *,
         act_fn: nn.Module,
         dtype: torch.dtype,
+        layout: MoeLayout | None = None,
     ) -> None:
         e, two_i, h = gate_up_weight.shape
         super().__init__(int(h), int(h), dtype)
         self.num_experts, self.intermediate = int(e), int(two_i) // 2
         self.act_fn = act_fn
+        self.layout = layout
         self.register_buffer("gate_up_weight", gate_up_weight.to(torch.int8))
         self.register_buffer("gate_up_scale", gate_up_scale.float().reshape(e, -1))
         self.register_buffer("down_weight", down_weight.to(torch.int8))
@@ -119,10 +146,17 @@ class W8A8DynamicExperts(QuantizedLinear):
 
     @classmethod
     def from_float(
-        cls, experts: nn.Module, *, dtype: torch.dtype, name: str = ""
+        cls,
+        experts: nn.Module,
+        *,
+        dtype: torch.dtype,
+        name: str = "",
+        layout: MoeLayout | None = None,
     ) -> W8A8DynamicExperts:
         """Quantize a transformers experts module (``gate_up_proj`` ``[E, 2I, H]``,
-        ``down_proj`` ``[E, H, I]``, ``act_fn``)."""
+        ``down_proj`` ``[E, H, I]``, ``act_fn``); ``layout`` gives the checkpoint
+        names :meth:`export_tensors` writes (None: ``mlp.experts.{e}.gate_proj``
+        ...)."""
         gate_up = getattr(experts, "gate_up_proj", None)
         down = getattr(experts, "down_proj", None)
         if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
@@ -141,7 +175,13 @@ class W8A8DynamicExperts(QuantizedLinear):
         gu_codes, gu_scale = _quantize(gate_up, dtype)
         d_codes, d_scale = _quantize(down, dtype)
         return cls(
-            gu_codes, gu_scale, d_codes, d_scale, act_fn=experts.act_fn, dtype=dtype
+            gu_codes,
+            gu_scale,
+            d_codes,
+            d_scale,
+            act_fn=experts.act_fn,
+            dtype=dtype,
+            layout=layout,
         )
 
     @classmethod
@@ -162,6 +202,7 @@ class W8A8DynamicExperts(QuantizedLinear):
         QuantizedLinear.__init__(module, int(h), int(h), dtype)
         module.num_experts, module.intermediate = int(e), int(two_i) // 2
         module.act_fn = act_fn if act_fn is not None else nn.SiLU()
+        module.layout = None
         for name in cls.BUFFERS:
             module.register_buffer(name, state[name])
         return module
@@ -175,14 +216,17 @@ class W8A8DynamicExperts(QuantizedLinear):
         *,
         act_fn: nn.Module,
         num_experts: int,
+        layout: MoeLayout | None = None,
     ) -> W8A8DynamicExperts:
         """Rebuild from an artifact's per-expert tensors ``<name>.{e}.{proj}.*``
-        (every expert ``0..num_experts-1``, all three projections)."""
+        (every expert ``0..num_experts-1``, all three projections; ``name`` and
+        ``proj`` as the checkpoint names them, see ``layout``)."""
+        names = layout.projections if layout is not None else PROJECTIONS
         codes: dict[str, list[torch.Tensor]] = {p: [] for p in PROJECTIONS}
         scales: dict[str, list[torch.Tensor]] = {p: [] for p in PROJECTIONS}
         for e in range(num_experts):
-            for proj in PROJECTIONS:
-                p = f"{name}.{e}.{proj}"
+            for proj, ckpt in zip(PROJECTIONS, names, strict=True):
+                p = f"{checkpoint_owner(name, layout)}.{e}.{ckpt}"
                 w, ws = tensors.get(f"{p}.weight"), tensors.get(f"{p}.weight_scale")
                 if w is None or ws is None:
                     raise FileFormatError(
@@ -225,6 +269,7 @@ class W8A8DynamicExperts(QuantizedLinear):
             torch.stack(scales["down_proj"]),
             act_fn=act_fn,
             dtype=dtype,
+            layout=layout,
         )
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -257,16 +302,21 @@ class W8A8DynamicExperts(QuantizedLinear):
         return out
 
     def export_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The consumer tensors of every expert, under the checkpoint's names
+        (``prefix`` the in-memory module name; ``layout`` renames)."""
         d, i = self.dtype, self.intermediate
+        layout = getattr(self, "layout", None)
+        gate, up, down = layout.projections if layout is not None else PROJECTIONS
+        owner = checkpoint_owner(prefix, layout)
         out: dict[str, torch.Tensor] = {}
         for e in range(self.num_experts):
             parts = (
-                ("gate_proj", self.gate_up_weight[e, :i], self.gate_up_scale[e, :i]),
-                ("up_proj", self.gate_up_weight[e, i:], self.gate_up_scale[e, i:]),
-                ("down_proj", self.down_weight[e], self.down_scale[e]),
+                (gate, self.gate_up_weight[e, :i], self.gate_up_scale[e, :i]),
+                (up, self.gate_up_weight[e, i:], self.gate_up_scale[e, i:]),
+                (down, self.down_weight[e], self.down_scale[e]),
             )
             for proj, codes, scale in parts:
-                p = f"{prefix}.{e}.{proj}"
+                p = f"{owner}.{e}.{proj}"
                 n = codes.shape[0]
                 out[f"{p}.weight"] = codes.cpu().clone().contiguous()
                 s = scale.to(d).reshape(n, 1).cpu().contiguous()

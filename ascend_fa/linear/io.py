@@ -20,8 +20,15 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import FileFormatError, NotFoundError
+from ascend_fa.families import moe_layout
 
-from .experts import W8A8DynamicExperts, expert_tensor_owner, is_fused_experts
+from .experts import (
+    W8A8DynamicExperts,
+    checkpoint_owner,
+    expert_tensor_owner,
+    is_fused_experts,
+    memory_owner,
+)
 from .modules import QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 
 __all__ = [
@@ -135,10 +142,14 @@ def load_quantized_model(
     names = quantized_linear_names(tensors)
     experts: dict[str, set[int]] = {}
     expert_names: set[str] = set()
+    layout = moe_layout(getattr(model.config, "model_type", None))
     for name in names:
         owner = expert_tensor_owner(name)
-        if owner is not None and _is_fused_experts(model, owner[0]):
-            experts.setdefault(owner[0], set()).add(owner[1])
+        if owner is None:
+            continue
+        in_memory = memory_owner(owner[0], layout)
+        if _is_fused_experts(model, in_memory):
+            experts.setdefault(in_memory, set()).add(owner[1])
             expert_names.add(name)
     for owner, hit in experts.items():
         float_mod = model.get_submodule(owner)
@@ -149,13 +160,16 @@ def load_quantized_model(
                 f"{owner}.{missing}: the model has experts 0..{n - 1}; the "
                 f"artifact quantizes {len(hit)} experts (all of them or none)"
             )
-        scale = tensors.get(f"{owner}.0.gate_proj.weight_scale")
+        gate = layout.projections[0] if layout is not None else "gate_proj"
+        first = f"{checkpoint_owner(owner, layout)}.0.{gate}.weight_scale"
+        scale = tensors.get(first)
         module = W8A8DynamicExperts.from_tensors(  # names a missing tensor
             owner,
             tensors,
             _model_dtype({} if scale is None else {"weight_scale": scale}),
             act_fn=float_mod.act_fn,
             num_experts=n,
+            layout=layout,
         )
         if tuple(module.gate_up_weight.shape) != tuple(float_mod.gate_up_proj.shape):
             raise FileFormatError(

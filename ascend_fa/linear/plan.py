@@ -21,7 +21,8 @@ is linear in ``up``).
 model types     groups per decoder layer                    smoothing folds into
 ==============  ==========================================  =====================
 llama, qwen2,   ``qkv`` q/k/v_proj                          ``input_layernorm``
-qwen3, mistral  ``o`` o_proj                                ``v_proj`` rows (tied)
+qwen3, mistral, ``o`` o_proj                                ``v_proj`` rows (tied)
+GQA + MoE
                 ``gate_up`` gate/up_proj                    ``post_attention_layernorm``
                 ``down`` down_proj                          ``up_proj`` rows
 deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
@@ -29,25 +30,31 @@ deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
                 ``q_b`` q_b_proj                            ``q_a_layernorm``
                 ``o`` o_proj                                -
                 dense MLP: ``gate_up``, ``down``            as above
-                MoE: ``shared_gate_up``, ``shared_down``    -, shared ``up_proj``
+MoE layers      ``shared_gate_up``, ``shared_down``         -, shared ``up_proj``
+(any family)    (per token), routed ``experts`` (per token)
 gemma3_text     as llama, but ``gate_up``                   pre_feedforward_layernorm
 ==============  ==========================================  =====================
+
+A GQA + MoE family's dense layers (GLM-4-MoE's first ones) take the dense MLP
+groups; its MoE layers the MoE groups, where the family's
+:class:`~ascend_fa.families.MoeLayout` says the shared expert and its gate sit.
 
 Gemma 3's ``post_attention_layernorm`` and ``post_feedforward_layernorm`` normalize
 the attention and MLP *outputs* before the residual add (transformers
 ``models/gemma3/modeling_gemma3.py`` ``Gemma3DecoderLayer.forward``, v5.25.0): the
-MLP's input norm is ``pre_feedforward_layernorm``. Its norms scale by
-``1 + weight`` (:attr:`ascend_fa.families.AttentionKind.norm_offset`), so the
-engine folds ``1 / s`` as ``(1 + w) / s - 1``.
+MLP's input norm is ``pre_feedforward_layernorm`` wherever a layer has one. Its
+norms scale by ``1 + weight`` (:attr:`ascend_fa.families.AttentionKind.norm_offset`),
+so the engine folds ``1 / s`` as ``(1 + w) / s - 1`` (:mod:`.norm_fold`).
 
 Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLOAT);
 DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
 asserts ``isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod)``,
 ``vllm_ascend/attention/mla_v1.py`` @182b75e, "We currently do not support quant
-kv_b_proj"). DeepSeek routed experts, which transformers 5 holds as fused
-``experts.gate_up_proj`` / ``experts.down_proj`` parameters rather than linears,
-are the plan's ``experts``: W8A8_DYNAMIC quantizes them (:mod:`.experts`), static
-W8A8 keeps them float.
+kv_b_proj"); the MoE routers and Qwen's ``shared_expert_gate``. Routed experts,
+which transformers 5 holds as fused ``experts.gate_up_proj`` /
+``experts.down_proj`` parameters rather than linears, are the plan's ``experts``;
+they and the shared experts are quantized per token under either ``--linear``
+(:meth:`LinearGroup.linear_type`, :mod:`.experts`).
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
-from ascend_fa.families import attention_kind, model_types
+from ascend_fa.families import MoeLayout, attention_kind, model_types, moe_layout
 from ascend_fa.hf_compat import require_transformers5
 
 from .experts import is_fused_experts
@@ -94,6 +101,20 @@ class LinearGroup:
     head_dim: int = 0
     #: linears the group stands for when not one per name (routed experts: 3 x E)
     count: int = 0
+    #: quantized per token (W8A8_DYNAMIC) whatever ``--linear`` says: MoE experts
+    #: (see the module doc)
+    dynamic: bool = False
+
+    def linear_type(self, configured: str) -> str:
+        """The group's linear type: ``configured`` (``--linear``), or W8A8_DYNAMIC
+        for the MoE experts' groups whatever ``--linear`` says. msModelSlim's MoE
+        recipes quantize the MLP per token next to static attention (msmodelslim
+        26.1.0 ``lab_practice/qwen3_moe/qwen3-30b-a3b-w8a8.yaml`` ``mix_cfg``
+        ``"*.mlp.*": w8a8_dynamic``; its DeepSeek default in
+        ``pytorch/llm_ptq/llm_ptq_tools/quant_tools.py``): a static per-tensor
+        input range per expert needs tokens routed to every expert, which a
+        calibration set does not give."""
+        return "W8A8_DYNAMIC" if self.dynamic else configured
 
     @property
     def smoothable(self) -> bool:
@@ -135,17 +156,70 @@ def _linear(model: nn.Module, name: str) -> nn.Module:
     return mod
 
 
-def _gqa_layer(
-    model: nn.Module,
-    cfg,  # noqa: ANN001
-    i: int,
-    mlp_norm: str = "post_attention_layernorm",
-) -> LayerPlan:
+def _mlp_groups(
+    model: nn.Module, p: str, layout: MoeLayout | None
+) -> tuple[list[LinearGroup], LinearGroup | None]:
+    """The MLP groups of decoder layer ``p`` and its routed experts (or None): a
+    dense MLP (``gate_proj`` present: dense models, and MoE models' first dense
+    layers) folds as in the module doc; a MoE block has shared-expert groups
+    (quantized per token, ``dynamic``) and the fused routed experts."""
+    m = f"{p}.{layout.block if layout is not None else 'mlp'}"
+    if _has(model, f"{m}.gate_proj") or layout is None:
+        return [
+            LinearGroup(
+                f"{m}.gate_up",
+                "gate_up",
+                (f"{m}.gate_proj", f"{m}.up_proj"),
+                norm=_mlp_norm(model, p),
+            ),
+            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+        ], None
+    groups = []
+    if layout.shared is not None and _has(model, f"{m}.{layout.shared}.gate_proj"):
+        s = f"{m}.{layout.shared}"
+        groups += [
+            # The norm output also feeds the router and the routed experts: no fold.
+            LinearGroup(
+                f"{s}.gate_up",
+                "shared_gate_up",
+                (f"{s}.gate_proj", f"{s}.up_proj"),
+                dynamic=True,
+            ),
+            LinearGroup(
+                f"{s}.down",
+                "shared_down",
+                (f"{s}.down_proj",),
+                fold=f"{s}.up_proj",
+                dynamic=True,
+            ),
+        ]
+    routed = (
+        model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
+    )
+    experts = None
+    if is_fused_experts(routed):
+        n = routed.gate_up_proj.shape[0]
+        experts = LinearGroup(
+            f"{m}.experts", "experts", (f"{m}.experts",), count=3 * n, dynamic=True
+        )
+    return groups, experts
+
+
+def _mlp_norm(model: nn.Module, p: str) -> str:
+    """The norm whose output is the MLP input: ``pre_feedforward_layernorm`` where
+    the layer has one (Gemma 3's sandwich norms: its ``post_attention_layernorm``
+    normalizes the attention output), else ``post_attention_layernorm``."""
+    pre = f"{p}.pre_feedforward_layernorm"
+    return pre if _has(model, pre) else f"{p}.post_attention_layernorm"
+
+
+def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
-    a, m = f"{p}.self_attn", f"{p}.mlp"
+    a = f"{p}.self_attn"
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
     return LayerPlan(
         i,
         p,
@@ -164,27 +238,16 @@ def _gqa_layer(
                 tie=heads // kv,
                 head_dim=head_dim,
             ),
-            LinearGroup(
-                f"{m}.gate_up",
-                "gate_up",
-                (f"{m}.gate_proj", f"{m}.up_proj"),
-                norm=f"{p}.{mlp_norm}",
-            ),
-            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
+            *mlp,
         ],
+        experts,
     )
-
-
-def _gemma3_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
-    # Sandwich norms: the MLP reads pre_feedforward_layernorm (see the module doc).
-    return _gqa_layer(model, cfg, i, mlp_norm="pre_feedforward_layernorm")
 
 
 def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
     p = f"model.layers.{i}"
-    a, m = f"{p}.self_attn", f"{p}.mlp"
+    a = f"{p}.self_attn"
     groups = []
-    experts = None
     q_in = f"{a}.q_a_proj" if _has(model, f"{a}.q_a_proj") else f"{a}.q_proj"
     groups.append(
         LinearGroup(
@@ -201,44 +264,12 @@ def _deepseek_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
             )
         )
     groups.append(LinearGroup(f"{a}.o", "o", (f"{a}.o_proj",)))
-    if _has(model, f"{m}.gate_proj"):
-        groups += [
-            LinearGroup(
-                f"{m}.gate_up",
-                "gate_up",
-                (f"{m}.gate_proj", f"{m}.up_proj"),
-                norm=f"{p}.post_attention_layernorm",
-            ),
-            LinearGroup(f"{m}.down", "down", (f"{m}.down_proj",), fold=f"{m}.up_proj"),
-        ]
-    elif _has(model, f"{m}.shared_experts.gate_proj"):
-        s = f"{m}.shared_experts"
-        routed = (
-            model.get_submodule(f"{m}.experts") if _has(model, f"{m}.experts") else None
-        )
-        if is_fused_experts(routed):
-            n = routed.gate_up_proj.shape[0]
-            experts = LinearGroup(
-                f"{m}.experts", "experts", (f"{m}.experts",), count=3 * n
-            )
-        groups += [
-            # The norm output also feeds the router and the routed experts: no fold.
-            LinearGroup(
-                f"{s}.gate_up", "shared_gate_up", (f"{s}.gate_proj", f"{s}.up_proj")
-            ),
-            LinearGroup(
-                f"{s}.down", "shared_down", (f"{s}.down_proj",), fold=f"{s}.up_proj"
-            ),
-        ]
-    return LayerPlan(i, p, groups, experts)
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
+    return LayerPlan(i, p, groups + mlp, experts)
 
 
 #: An attention kind's ``linear_plan`` -> the builder of one layer's plan.
-_LAYER_PLANS = {
-    "gqa": _gqa_layer,
-    "deepseek_v3": _deepseek_layer,
-    "gemma3": _gemma3_layer,
-}
+_LAYER_PLANS = {"gqa": _gqa_layer, "deepseek_v3": _deepseek_layer}
 
 
 def linear_plan(model: nn.Module) -> list[LayerPlan]:

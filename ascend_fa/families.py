@@ -31,6 +31,8 @@ model_type     kind    notes
                        partial RoPE); MoE with a gated shared expert
 ``deepseek_v32`` mla   as deepseek_v3, plus a DSA indexer (kept float)
 ``glm_moe_dsa``  mla   as deepseek_v32; "shared" layers reuse the top-k
+``gemma3_text``  gqa   as qwen3; sliding / full layers (``layer_types``);
+                       norms scale by ``1 + weight``; sandwich norms
 =============  ======  ===============================================
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
@@ -45,6 +47,7 @@ from dataclasses import dataclass, replace
 
 __all__ = [
     "FAMILIES",
+    "GEMMA3",
     "GQA",
     "GQA_MOE",
     "GQA_HYBRID",
@@ -58,6 +61,7 @@ __all__ = [
     "moe_layout",
     "reads_fa",
     "model_types",
+    "norm_offset",
 ]
 
 
@@ -73,6 +77,8 @@ class AttentionKind:
     ``paged_emulation``, ``kv_cache_targets`` (C8 / FP8 KV-cache scales instead of
     FA scales on vllm-ascend / vllm) and ``carried_layers`` (checkpoint layers
     past ``num_hidden_layers`` copied into the artifact) say which paths apply.
+    ``norm_offset``: the RMSNorms multiply by ``norm_offset + weight`` (Gemma: 1),
+    so a factor ``f`` folds into a norm as ``(offset + w) * f - offset``.
     """
 
     name: str
@@ -88,6 +94,7 @@ class AttentionKind:
     #: the Ascend targets whose consumer reads this kind's FA scales (the others
     #: get the quantized linears only)
     fa_targets: tuple[str, ...] = ("mindie", "vllm-ascend")
+    norm_offset: float = 0.0
 
 
 GQA = AttentionKind(
@@ -164,6 +171,21 @@ MLA_DSA = replace(
     fa_targets=(),
 )
 
+#: Gemma 3 (text): GQA attention with per-head q_norm / k_norm, every layer softmax
+#: attention (``layer_types`` alternates sliding-window and full layers); its
+#: RMSNorms scale by ``1 + weight`` and the attention and MLP outputs pass through
+#: their own norms before the residual add (``post_attention_layernorm``,
+#: ``post_feedforward_layernorm``), so the MLP reads ``pre_feedforward_layernorm``
+#: (the GQA plan folds gate/up there) and no orthogonal rotation of the residual
+#: stream commutes with the block (transformers ``models/gemma3/modeling_gemma3.py``,
+#: v5.25.0).
+GEMMA3 = replace(
+    GQA,
+    rope=GQA.rope + "; sliding layers use their own theta",
+    residual_rotation=False,
+    norm_offset=1.0,
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -179,6 +201,7 @@ FAMILIES: dict[str, AttentionKind] = {
     "qwen3_next": GQA_HYBRID,
     "deepseek_v32": MLA_DSA,
     "glm_moe_dsa": MLA_DSA,
+    "gemma3_text": GEMMA3,
 }
 
 
@@ -253,6 +276,12 @@ def reads_fa(model_type: str | None, target: str) -> bool:
     if kind is None or target not in ("mindie", "vllm-ascend"):
         return True
     return target in kind.fa_targets
+
+
+def norm_offset(model_type: str | None) -> float:
+    """What ``model_type``'s RMSNorms add to their weight (0 when none declared)."""
+    kind = attention_kind(model_type)
+    return kind.norm_offset if kind is not None else 0.0
 
 
 def is_mla(model_type: str | None) -> bool:

@@ -29,7 +29,9 @@ def test_the_consumers_derive_their_model_types_from_the_registry():
     moe = tuple(t for t, k in families.FAMILIES.items() if k is families.GQA_MOE)
     assert {"qwen3_moe", "qwen2_moe", "glm4_moe", "mixtral", "minimax_m2"} <= set(moe)
     assert ROTATABLE_MODEL_TYPES == gqa
-    assert GQA_MODEL_TYPES == SUPPORTED_MODEL_TYPES == gqa + moe
+    # gemma3_text: GQA attention and plan, no residual rotation (sandwich norms)
+    gemma = ("gemma3_text",)
+    assert GQA_MODEL_TYPES == SUPPORTED_MODEL_TYPES == gqa + moe + gemma
     assert families.is_mla("deepseek_v3") and not families.is_mla("llama")
     assert not families.is_mla(None) and families.attention_kind("gpt2") is None
     mla = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")

@@ -10,6 +10,7 @@ model_type        adapter                              fa_quant_type
 ``qwen2``         :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``qwen3``         :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``mistral``       :class:`.gqa.GQAAdapter`             ``FAQuant``
+``gemma3_text``   :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``deepseek_v3``   :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``
 ``qwen3_next``    :class:`.gqa.GQAAdapter`             ``FAQuant``
 ``deepseek_v32``  :class:`.deepseek_v3.DeepseekV3Adapter`  ``FAKQuant``

@@ -1,5 +1,6 @@
 """FAQuant adapter for transformers' GQA/MHA decoders: llama, qwen2, qwen3, mistral,
-and the full-attention layers of qwen3_next (gated attention: its ``q_proj`` gives
+the MoE GQA families, gemma3_text (its sliding-window and full layers alike) and the
+full-attention layers of qwen3_next (gated attention: its ``q_proj`` gives
 the query and a per-channel output gate; the attention function receives the query
 alone, after ``q_norm`` and partial RoPE, and the gate multiplies the output after).
 

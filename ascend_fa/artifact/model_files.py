@@ -26,8 +26,9 @@ both moved into ``rope_parameters``. So an artifact's config.json is:
 
 In each, a config written by transformers 5 (``rope_parameters`` and no top-level
 ``rope_theta``) gains the transformers-4 keys ``rope_theta`` and, for a
-non-default RoPE, ``rope_scaling`` (:func:`with_transformers4_rope`); a key the
-file has is never changed.
+non-default RoPE, ``rope_scaling`` (:func:`with_transformers4_rope`; Gemma 3's
+per-layer-type RoPE also ``rope_local_base_freq``); a key the file has is never
+changed.
 
 :func:`rope_findings` is the check ``inspect --target`` applies: would a
 transformers-4 reader of this config.json use another RoPE than the one
@@ -126,15 +127,37 @@ def with_transformers4_rope(config: Mapping[str, Any]) -> dict[str, Any]:
     ``rope_parameters`` (a transformers-4 file) is returned unchanged."""
     cfg = dict(config)
     rope = cfg.get("rope_parameters")
-    if not isinstance(rope, Mapping) or any(
-        isinstance(v, Mapping) for v in rope.values()
-    ):
-        return cfg  # none, or one per layer type (no transformers-4 spelling)
+    if not isinstance(rope, Mapping):
+        return cfg
+    if any(isinstance(v, Mapping) for v in rope.values()):
+        return _per_type_rope(cfg, rope)
     scaling = _rope_scaling(rope)
     for key, value in (
         ("rope_theta", rope.get("rope_theta")),
         ("rope_scaling", scaling),
         ("partial_rotary_factor", rope.get("partial_rotary_factor")),
+    ):
+        if value is not None and cfg.get(key) is None:
+            cfg[key] = value
+    return cfg
+
+
+def _per_type_rope(cfg: dict[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
+    """Gemma 3's one RoPE per layer type in transformers 4's spelling: its
+    ``Gemma3TextConfig`` takes ``rope_theta`` / ``rope_scaling`` for the full layers
+    and ``rope_local_base_freq`` (always an unscaled RoPE) for the sliding ones;
+    transformers 5 moves them into ``rope_parameters[layer type]``
+    (``models/gemma3/configuration_gemma3.py`` ``convert_rope_params_to_dict``,
+    v5.25.0). Other per-type layouts have no transformers-4 spelling: unchanged."""
+    full, sliding = rope.get("full_attention"), rope.get("sliding_attention")
+    if set(rope) != {"full_attention", "sliding_attention"} or not all(
+        isinstance(r, Mapping) for r in (full, sliding)
+    ):
+        return cfg
+    for key, value in (
+        ("rope_theta", full.get("rope_theta")),
+        ("rope_scaling", _rope_scaling(full)),
+        ("rope_local_base_freq", sliding.get("rope_theta")),
     ):
         if value is not None and cfg.get(key) is None:
             cfg[key] = value

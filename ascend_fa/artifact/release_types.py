@@ -92,6 +92,9 @@ class Rule:
     citations: tuple[Citation, ...]
     silent: bool = False
     caveat: bool = False
+    #: what the refusal says the release does (default: "cannot load", or
+    #: "silently ignores" for a silent rule)
+    verb: str = ""
 
     def cites(self) -> str:
         return "; ".join(str(c) for c in self.citations)

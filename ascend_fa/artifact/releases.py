@@ -20,17 +20,17 @@ vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral 
 vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
 0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
 (0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``)
-vllm-ascend        C8 for every architecture vLLM        nothing we write
-0.25.1rc1, main    loads through ``AutoWeightsLoader``
-                   (``get_cache_scale_mapper``);
-                   FAKQuant
+vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausalLM``
+0.25.1rc1, main    loads through ``AutoWeightsLoader``   (its C8 attention applies no
+                   (``get_cache_scale_mapper``);         sliding window: wrong past
+                   FAKQuant                              ``sliding_window`` tokens)
 MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
                    qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
                    the MoE models (qwen2_moe, qwen3_moe, notes: FA tensors loaded but
                    mixtral, glm4_moe) run the linears;   unused by the MoE graphs;
-                   DeepSeek-V3.2 quantized linears       no MiniMax-M2 / GlmMoeDsa
-                                                         model; FAKQuant for
-                                                         DeepSeek-V3.2
+                   DeepSeek-V3.2 quantized linears       no MiniMax-M2 / Qwen3-Next /
+                                                         Gemma 3 / GlmMoeDsa model;
+                                                         FAKQuant for DeepSeek-V3.2
 =================  ====================================  ===========================
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
@@ -130,6 +130,7 @@ _ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -269,6 +270,44 @@ RULES: tuple[Rule, ...] = (
             ),
         ),
     ),
+    # Gemma 3 alternates sliding-window and full layers. vllm-ascend's C8 attention
+    # (AscendC8AttentionBackendImpl, swapped in for every C8 layer by
+    # AscendC8KVCacheAttentionMethod.create_weights) passes no window to its FIA
+    # calls (decode sparse_mode=0, prefill sparse_mode=3, no pre_tokens), while
+    # its float attention applies it (sparse_mode=4, pre_tokens=sliding_window).
+    Rule(
+        "c8.no-sliding-window",
+        "vllm-ascend",
+        "C8",
+        _LATER,
+        frozenset({"Gemma3ForCausalLM"}),
+        False,
+        "loads the C8 scales, but its C8 attention applies no sliding window "
+        "(decode sparse_mode=0, prefill sparse_mode=3): Gemma 3's sliding layers "
+        "attend past sliding_window tokens, unlike the model, without an error",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/attention/attention_v1.py",
+                _V0251,
+                "AscendC8AttentionBackendImpl._forward_c8_decode / "
+                "_forward_c8_fused_infer_attention",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/attention/attention_v1.py",
+                _MAIN,
+                "AscendC8AttentionBackendImpl._forward_c8_decode",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/methods/kv_c8.py",
+                _V0251,
+                "create_weights: layer.impl.__class__ = AscendC8AttentionBackendImpl",
+            ),
+        ),
+        verb="cannot run",
+    ),
     Rule(
         "c8.cache-scale-mapper",
         "vllm-ascend",
@@ -340,7 +379,9 @@ RULES: tuple[Rule, ...] = (
         "mindie",
         "FAQuant",
         ("3.0.0",),
-        frozenset({"MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM"}),
+        frozenset(
+            {"MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Gemma3ForCausalLM"}
+        ),
         True,
         "MindIE has no model for this architecture (no atb_llm/models entry): the "
         "artifact is in msModelSlim's format, but no MindIE release in the table "
@@ -350,13 +391,15 @@ RULES: tuple[Rule, ...] = (
                 MINDIE,
                 "examples/atb_models/atb_llm/models/__init__.py",
                 _MINDIE300,
-                "get_model: no minimax / qwen3_next folder, 'unsupported model type'",
+                "get_model: no minimax / qwen3_next / gemma3 folder, 'unsupported "
+                "model type'",
             ),
             Citation(
                 MINDIE,
                 "mindie_llm/runtime/models/__init__.py",
                 _MINDIE300,
-                "get_router_ins: no qwen3_next folder, 'unsupported model type'",
+                "get_router_ins: no qwen3_next / gemma3 folder, 'unsupported model "
+                "type'",
             ),
         ),
         caveat=True,
@@ -535,7 +578,7 @@ def _refusal(release: Release, scheme: str, arch: str | None) -> str | None:
         if first
         else "; no release in the table loads it"
     )
-    what = "silently ignores" if rule.silent else "cannot load"
+    what = rule.verb or ("silently ignores" if rule.silent else "cannot load")
     return (
         f"{release.target} {release.name} {what} {scheme} for {arch or 'this model'}"
         f" [{rule.id}]: {rule.effect}{fix} ({rule.cites()})"

@@ -55,7 +55,9 @@ call whose HF cache is empty starts new sequences (a whole-window forward with
 ``model.generate``) continues them. Batches: ``B`` sequences of equal length; a 2-D
 ``attention_mask`` with padding is refused (left padding would need per-sequence
 positions). Sliding-window attention is not emulated: a sequence longer than the
-config's active ``sliding_window`` is refused.
+config's active ``sliding_window`` is refused (up to it, a sliding layer attends
+every earlier token, as a full layer does; Gemma 3's ``layer_types`` say which
+layers slide).
 
 The paged cache holds the only K/V the attention reads; with ``num_blocks=None`` it
 starts small and doubles when full (copying the used blocks), with ``num_blocks`` set
@@ -181,6 +183,11 @@ class QuantizedKVRuntime:
                 f"model type {model_type!r} is not supported by the paged emulation "
                 f"(supported: {', '.join(model_types(paged_emulation=True))})"
             )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError(
+                f"model type {model_type!r} with use_bidirectional_attention: its "
+                "tokens attend later tokens too, and the paged kernels are causal"
+            )
         if model.__dict__.get(_ROOT_ATTR) is not None:
             raise ValueError(
                 "paged attention is already enabled on this model; call .remove() on "
@@ -241,8 +248,16 @@ class QuantizedKVRuntime:
                 f"multiple of C0 = {cols}: the NZ cache cannot hold this model"
             )
         window = getattr(cfg, "sliding_window", None)
+        # Gemma 3 names each layer's type: the window binds its sliding layers only
+        types = list(getattr(cfg, "layer_types", None) or [])
+        n = types.count("sliding_attention")
+        self._sliding = f" ({n} of its {len(types)} layers)" if types else ""
         self._window = (
-            int(window) if window and getattr(cfg, "use_sliding_window", True) else None
+            int(window)
+            if window
+            and getattr(cfg, "use_sliding_window", True)
+            and (not types or "sliding_attention" in types)
+            else None
         )
 
         self.static = scales is not None
@@ -386,7 +401,8 @@ class QuantizedKVRuntime:
         if self._window is not None and past + s > self._window:
             raise ValueError(
                 f"{PAGED_ATTENTION_IMPL}: {past + s} tokens exceed the model's "
-                f"sliding_window {self._window}, which the paged kernels do not apply"
+                f"sliding_window {self._window}{self._sliding}, which the paged "
+                f"kernels do not apply; run sequences of at most {self._window} tokens"
             )
         bs = self.block_size
         have = (

@@ -32,11 +32,19 @@ deepseek_v3     ``attn_in`` q_a_proj (or q_proj) +          ``input_layernorm``
                 dense MLP: ``gate_up``, ``down``            as above
 MoE layers      ``shared_gate_up``, ``shared_down``         -, shared ``up_proj``
 (any family)    (per token), routed ``experts`` (per token)
+gemma3_text     as llama, but ``gate_up``                   pre_feedforward_layernorm
 ==============  ==========================================  =====================
 
 A GQA + MoE family's dense layers (GLM-4-MoE's first ones) take the dense MLP
 groups; its MoE layers the MoE groups, where the family's
 :class:`~ascend_fa.families.MoeLayout` says the shared expert and its gate sit.
+
+Gemma 3's ``post_attention_layernorm`` and ``post_feedforward_layernorm`` normalize
+the attention and MLP *outputs* before the residual add (transformers
+``models/gemma3/modeling_gemma3.py`` ``Gemma3DecoderLayer.forward``, v5.25.0): the
+MLP's input norm is ``pre_feedforward_layernorm`` wherever a layer has one. Its
+norms scale by ``1 + weight`` (:attr:`ascend_fa.families.AttentionKind.norm_offset`),
+so the engine folds ``1 / s`` as ``(1 + w) / s - 1`` (:mod:`.norms`).
 
 Kept float, always: ``lm_head`` and embeddings (both consumers describe them FLOAT);
 DeepSeek ``kv_b_proj`` (vllm-ascend's MLA absorbs it into ``W_UK``/``W_UV`` and
@@ -201,8 +209,11 @@ def _mlp_groups(
 
 
 def _mlp_norm(model: nn.Module, p: str) -> str:
-    """The norm whose output is the MLP input."""
-    return f"{p}.post_attention_layernorm"
+    """The norm whose output is the MLP input: ``pre_feedforward_layernorm`` where
+    the layer has one (Gemma 3's sandwich norms: its ``post_attention_layernorm``
+    normalizes the attention output), else ``post_attention_layernorm``."""
+    pre = f"{p}.pre_feedforward_layernorm"
+    return pre if _has(model, pre) else f"{p}.post_attention_layernorm"
 
 
 def _gqa_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001

@@ -53,13 +53,16 @@ def mixed_layer_types(model: nn.Module) -> list[str] | None:
 
 
 def decoder_layer_type(layer: nn.Module) -> str | None:
-    """The type of decoder ``layer``: Qwen3-Next's ``block_type``, or an
-    ``attention_type``; None when the layer does not say."""
+    """The type of decoder ``layer``: Qwen3-Next's ``block_type``, an
+    ``attention_type``, or Gemma 3's ``self_attn.layer_type``; None when the layer
+    does not say."""
     for attr in ("block_type", "attention_type"):
         found = getattr(layer, attr, None)
         if isinstance(found, str):
             return found
-    return None
+    # Gemma 3 keeps it on the attention module
+    found = getattr(getattr(layer, "self_attn", None), "layer_type", None)
+    return found if isinstance(found, str) else None
 
 
 def layer_kwargs(layer: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

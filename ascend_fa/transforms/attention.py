@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
+from ascend_fa.families import norm_offset
 from ascend_fa.linear.typed_inputs import layer_kwargs
 
 from .common import causal_probs, fake_quant_absmax, first_row_sample
@@ -254,8 +255,13 @@ def fold_qk_smoothing(module: nn.Module, factors: torch.Tensor) -> None:
     if norms is not None:
         qn, kn = norms
         ch = torch.cat([f[0], f[0]])
-        qn.weight.copy_((qn.weight.double() / ch).to(qn.weight.dtype))
-        kn.weight.copy_((kn.weight.double() * ch).to(kn.weight.dtype))
+        # Gemma's norms scale by (1 + w): the factor folds as (1 + w) * c - 1.
+        off = norm_offset(getattr(getattr(module, "config", None), "model_type", None))
+        qw, kw = qn.weight.double(), kn.weight.double()
+        q_new = (qw + off) / ch - off if off else qw / ch
+        k_new = (kw + off) * ch - off if off else kw * ch
+        qn.weight.copy_(q_new.to(qn.weight.dtype))
+        kn.weight.copy_(k_new.to(kn.weight.dtype))
         return
     q, k = _linear(module, "q_proj"), _linear(module, "k_proj")
     for lin, rows in (

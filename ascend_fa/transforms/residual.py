@@ -73,6 +73,12 @@ __all__ = [
 
 #: The model types whose family (:mod:`ascend_fa.families`) takes the rotation.
 ROTATABLE_MODEL_TYPES = model_types(residual_rotation=True)
+#: Why a declared family takes no rotation, where it is not evident.
+_NOT_ROTATABLE = {
+    "gemma3_text": ": its post_attention_layernorm / post_feedforward_layernorm "
+    "weight each channel of the block outputs before the residual add, which "
+    "no rotation of the residual stream commutes with",
+}
 #: Attribute set on a rotated model (``model.config``) so it is never rotated twice
 #: and the artifact can record the rotation.
 _MARK = "ascend_fa_residual_rotation"
@@ -108,9 +114,10 @@ def _check_model(model: nn.Module) -> tuple[int, int]:
     model_type = getattr(cfg, "model_type", None)
     kind = attention_kind(model_type)
     if kind is None or not kind.residual_rotation:
+        why = _NOT_ROTATABLE.get(str(model_type), "")
         raise UnsupportedError(
-            f"residual rotation: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(model_types(residual_rotation=True))})"
+            f"residual rotation: model_type {model_type!r} is not supported"
+            f"{why} (supported: {', '.join(model_types(residual_rotation=True))})"
         )
     inner = getattr(model, "model", None)
     if not isinstance(getattr(inner, "layers", None), nn.ModuleList):

@@ -191,10 +191,11 @@ def test_norm_folds_keep_the_float_model_within_fp32():
             p.copy_(p.to(torch.bfloat16).float())
     assert (plain(ids).logits - ref).abs().max() > 100 * budget
 
-    wrong = tiny_gemma()  # the llama fold (w / s) on Gemma's norms
-    wrong.config.model_type = "llama"
-    _apply_smoothing(wrong, linear_plan(wrong)[0].groups[0], torch.full((64,), 2.0))
-    wrong.config.model_type = "gemma3_text"
+    wrong = tiny_gemma()  # the plain fold (w / s) on Gemma's (1 + w) norm
+    group = linear_plan(wrong)[0].groups[0]
+    wrong.get_submodule(group.norm).weight.div_(2.0)
+    for name in group.linears:
+        wrong.get_submodule(name).weight.mul_(2.0)
     assert (wrong(ids).logits - ref).abs().max() > 100 * budget
 
 

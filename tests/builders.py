@@ -16,6 +16,9 @@ __all__ = [
     "DEEPSEEK_TINY",
     "MOE_TINY",
     "save_tiny_moe",
+    "artifact_tensors",
+    "int8_fraction",
+    "plan_int8_fraction",
     "byte_tokenizer",
     "tiny_causal_lm",
     "tiny_deepseek",
@@ -471,3 +474,56 @@ def transformers4_source(path: Path, config: dict[str, Any], seed: int = 0) -> P
     for name, content in TF4_SOURCE_FILES.items():
         (path / name).write_text(content)
     return path
+
+
+def artifact_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``directory``."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def int8_fraction(src: Path, out: Path) -> float:
+    """Of the source checkpoint's linear weight elements (2-D, not norms,
+    embeddings or the head), the share the artifact ``out`` describes as W8A8 /
+    W8A8_DYNAMIC (and holds as int8: asserted)."""
+    import json
+
+    desc = json.loads((Path(out) / "quant_model_description.json").read_text())
+    art = artifact_tensors(out)
+    total = int8 = 0
+    for name, t in artifact_tensors(src).items():
+        if t.dim() != 2 or "norm" in name or "embed" in name or "lm_head" in name:
+            continue
+        total += t.numel()
+        if desc.get(name) in ("W8A8", "W8A8_DYNAMIC"):
+            assert art[name].dtype == torch.int8, name
+            int8 += t.numel()
+    return int8 / total
+
+
+def plan_int8_fraction(model: torch.nn.Module, *, head: bool = True) -> float:
+    """Of ``model``'s linear weight elements (linears and fused routed experts;
+    ``lm_head`` counted as float when ``head``), the share its linear plan
+    quantizes (the groups' linears and the routed experts)."""
+    from ascend_fa.linear import linear_plan
+
+    plans = linear_plan(model)
+    quantized = {n for p in plans for g in p.groups for n in g.linears}
+    quantized |= {p.experts.linears[0] for p in plans if p.experts is not None}
+    total = int8 = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and (head or "lm_head" not in name):
+            n = module.weight.numel()
+        elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:
+            n = module.gate_up_proj.numel() + module.down_proj.numel()
+        else:
+            continue
+        total += n
+        int8 += n if name in quantized else 0
+    return int8 / total

@@ -18,8 +18,13 @@ import json
 
 import pytest
 import torch
-from builders import byte_tokenizer, tiny_causal_lm
-from safetensors import safe_open
+from builders import (
+    artifact_tensors,
+    byte_tokenizer,
+    int8_fraction,
+    plan_int8_fraction,
+    tiny_causal_lm,
+)
 
 from ascend_fa.adapters import DeepseekV3Adapter, get_adapter
 from ascend_fa.adapters.hf import set_point
@@ -117,12 +122,7 @@ def _desc(out):
     return json.loads((out / DESCRIPTION_FILE).read_text())
 
 
-def _tensors(out):
-    t = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            t.update({k: sf.get_tensor(k) for k in sf.keys()})
-    return t
+_tensors = artifact_tensors
 
 
 # -- family data, adapter ------------------------------------------------------
@@ -327,21 +327,6 @@ def _linears_only(out, model_type, quant_type):
     return t
 
 
-def _int8_fraction(src, out) -> float:
-    """Of the source's linear weight elements (2-D, not norms, embeddings or the
-    head), the share the artifact holds as int8."""
-    desc, art = _desc(out), _tensors(out)
-    total = int8 = 0
-    for name, t in _tensors(src).items():
-        if t.dim() != 2 or "norm" in name or "embed" in name or "lm_head" in name:
-            continue
-        total += t.numel()
-        if desc.get(name) in ("W8A8", "W8A8_DYNAMIC"):
-            assert art[name].dtype == torch.int8, name
-            int8 += t.numel()
-    return int8 / total
-
-
 @pytest.mark.parametrize("model_type", TYPES)
 def test_mindie_default_and_eval(tmp_path, capsys, model_type):
     """Default linears for MindIE: static W8A8 attention, the experts per token,
@@ -355,7 +340,7 @@ def test_mindie_default_and_eval(tmp_path, capsys, model_type):
     assert desc["model.layers.1.mlp.experts.7.down_proj.weight"] == "W8A8_DYNAMIC"
     assert desc["model.layers.1.self_attn.q_a_proj.weight"] == "W8A8"
     assert res.report["deployed"] == "none"
-    fraction = _int8_fraction(src, out)
+    fraction = int8_fraction(src, out)
     assert fraction >= 0.9, fraction
     assert main(["inspect", str(out), "--target", "mindie"]) == 0
     report = inspect_artifact(out, target="mindie")
@@ -433,21 +418,11 @@ def test_full_size_plan_quantizes_90_percent(model_type):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     plans = linear_plan(model)
     quantized = {n for p in plans for g in p.groups for n in g.linears}
-    quantized |= {p.experts.linears[0] for p in plans if p.experts is not None}
-    total = int8 = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
-            n = module.weight.numel()
-        elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:
-            n = module.gate_up_proj.numel() + module.down_proj.numel()
-        else:
-            continue
-        total += n
-        int8 += n if name in quantized else 0
     assert not [n for n in quantized if ".indexer." in n or "kv_b_proj" in n]
     first = cfg.first_k_dense_replace
     assert plans[first].experts is not None and plans[first - 1].experts is None
-    assert int8 / total >= 0.9, int8 / total
+    fraction = plan_int8_fraction(model, head=False)
+    assert fraction >= 0.9, fraction
 
 
 def _dp_worker(rank: int, init: str, src: str, data: str, out: str, kw: dict) -> None:

@@ -19,8 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import MOE_TINY, save_tiny_moe
-from safetensors import safe_open
+from builders import (
+    MOE_TINY,
+    artifact_tensors,
+    int8_fraction,
+    plan_int8_fraction,
+    save_tiny_moe,
+)
 
 from ascend_fa.artifact import DESCRIPTION_FILE, inspect_artifact
 from ascend_fa.cli import main
@@ -36,15 +41,6 @@ pytestmark = pytest.mark.skipif(
 FAMILIES = tuple(MOE_TINY)
 RUN = ["--num-samples", "4", "--max-length", "32", "--batch-size", "2"]
 RUN += ["--heldout", "1", "--no-report", "-q"]
-
-
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                out[k] = sf.get_tensor(k)
-    return out
 
 
 def _calibrate(src: Path, out: Path, *extra: str) -> int:
@@ -87,19 +83,12 @@ def test_mindie_default_quantizes_the_experts(mindie, model_type):
     assert report["valid"], report["findings"]
     desc = json.loads((art / DESCRIPTION_FILE).read_text())
     assert desc["model_quant_type"] == "W8A8"
-    tensors = _tensors(art)
-    source = _tensors(src)
+    tensors = artifact_tensors(art)
+    source = artifact_tensors(src)
     layout = moe_layout(model_type)
     block = layout.checkpoint_block
-    total = int8 = 0
-    for name, t in source.items():
-        if t.dim() != 2 or "norm" in name or "embed" in name or "lm_head" in name:
-            continue
-        total += t.numel()
-        if desc.get(name) in ("W8A8", "W8A8_DYNAMIC"):
-            int8 += t.numel()
-            assert tensors[name].dtype == torch.int8, name
-    assert int8 / total >= 0.9, (model_type, int8 / total)
+    fraction = int8_fraction(src, art)
+    assert fraction >= 0.9, (model_type, fraction)
     gate, up, down = layout.projections
     experts = [n for n in source if f".{block}.experts." in n]
     assert experts and all(n.split(".")[-2] in (gate, up, down) for n in experts)
@@ -190,7 +179,7 @@ def test_vllm_ascend_c8_follows_the_release_table(tmp_path, capsys):
     # the rotate-half pairs (d, d + 4) of the first 8 channels only; the other 8
     # channels are not rotated and keep their own range
     name = "model.layers.1.self_attn.k_proj.kv_cache_scale"
-    k = _tensors(out)[name].float().reshape(2, 16)
+    k = artifact_tensors(out)[name].float().reshape(2, 16)
     assert torch.equal(k[:, :4], k[:, 4:8])
     assert not torch.equal(k[:, :8], k[:, 8:])
     mixtral = save_tiny_moe(tmp_path / "mixtral", "mixtral")
@@ -207,7 +196,7 @@ def test_streaming_is_bit_equal_to_the_whole_model(mindie, tmp_path):
     src, art = mindie["qwen2_moe"]
     out = tmp_path / "streamed"
     assert _calibrate(src, out, "--streaming") == 0
-    a, b = _tensors(art), _tensors(out)
+    a, b = artifact_tensors(art), artifact_tensors(out)
     assert set(a) == set(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((art / DESCRIPTION_FILE).read_text()) == json.loads(
@@ -221,43 +210,16 @@ def test_deepseek_v3_at_full_size_is_mostly_int8():
     the routers float) covers >= 90 % of the linear weight elements."""
     from ascend_fa.linear import linear_plan
 
-    cfg = transformers.AutoConfig.for_model(
-        "deepseek_v3",
-        hidden_size=7168,
-        intermediate_size=18432,
-        moe_intermediate_size=2048,
-        num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
-        kv_lora_rank=512,
-        q_lora_rank=1536,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        n_routed_experts=256,
-        n_shared_experts=1,
-        num_experts_per_tok=8,
-        first_k_dense_replace=3,
-        vocab_size=129280,
+    # transformers' DeepseekV3Config defaults are DeepSeek-V3's own sizes
+    cfg = transformers.AutoConfig.for_model("deepseek_v3")
+    assert (cfg.hidden_size, cfg.n_routed_experts, cfg.num_hidden_layers) == (
+        7168,
+        256,
+        61,
     )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     plans = linear_plan(model)
-    quantized = set()
-    for plan in plans:
-        for group in plan.groups:
-            quantized.update(group.linears)
-        if plan.experts is not None:
-            quantized.add(plan.experts.linears[0])
-    total = int8 = 0
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            n = module.weight.numel()
-        elif hasattr(module, "gate_up_proj") and module.gate_up_proj.dim() == 3:
-            n = module.gate_up_proj.numel() + module.down_proj.numel()
-        else:
-            continue
-        total += n
-        int8 += n if name in quantized else 0
     assert plans[3].experts is not None and plans[2].experts is None
-    assert int8 / total >= 0.9, int8 / total
+    fraction = plan_int8_fraction(model)
+    assert fraction >= 0.9, fraction

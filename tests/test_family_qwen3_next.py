@@ -348,7 +348,8 @@ def test_mindie_default_quantizes_the_experts(src, tmp_path):
     """>= 90 % of the linear weight elements int8; every routed expert and the
     shared expert per token under the checkpoint's per-expert names, codes equal to
     a naive per-row quantizer; routers and shared_expert_gate float."""
-    from test_family_moe import _naive, _tensors
+    from builders import artifact_tensors, int8_fraction
+    from test_family_moe import _naive
 
     out = tmp_path / "mindie"
     assert _calibrate(src, out, "--target", "mindie") == 0
@@ -356,16 +357,9 @@ def test_mindie_default_quantizes_the_experts(src, tmp_path):
     assert desc["model_quant_type"] == "W8A8"
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["moe_quantize"] == "w8a8_dynamic"
-    tensors, source = _tensors(out), _tensors(src)
-    total = int8 = 0
-    for name, t in source.items():
-        if t.dim() != 2 or "norm" in name or "embed" in name or "lm_head" in name:
-            continue
-        total += t.numel()
-        if desc.get(name) in ("W8A8", "W8A8_DYNAMIC"):
-            int8 += t.numel()
-            assert tensors[name].dtype == torch.int8, name
-    assert int8 / total >= 0.9, int8 / total
+    tensors, source = artifact_tensors(out), artifact_tensors(src)
+    fraction = int8_fraction(src, out)
+    assert fraction >= 0.9, fraction
     experts = [n for n in source if ".mlp.experts." in n]
     assert len(experts) == 4 * 8 * 3
     for name in experts:

@@ -51,6 +51,7 @@ __all__ = [
     "PROJECTIONS",
     "W8A8DynamicExperts",
     "checkpoint_owner",
+    "expert_projections",
     "expert_tensor_owner",
     "memory_owner",
     "is_fused_experts",
@@ -63,26 +64,34 @@ _NAME = re.compile(
 )
 
 
+def _rename_block(owner: str, src: str, dst: str) -> str:
+    """``<layer>.<src>.experts`` -> ``<layer>.<dst>.experts`` (other names as
+    they are)."""
+    tail = f".{src}.experts"
+    if src == dst or not owner.endswith(tail):
+        return owner
+    return owner[: -len(tail)] + f".{dst}.experts"
+
+
 def checkpoint_owner(owner: str, layout: MoeLayout | None) -> str:
     """The checkpoint's name of the experts module ``owner`` (in-memory
     ``<layer>.<block>.experts``): the block renamed as ``layout`` says
     (Mixtral: ``mlp`` -> ``block_sparse_moe``)."""
-    if layout is None or layout.block == layout.checkpoint_block:
+    if layout is None:
         return owner
-    tail = f".{layout.block}.experts"
-    if not owner.endswith(tail):
-        return owner
-    return owner[: -len(tail)] + f".{layout.checkpoint_block}.experts"
+    return _rename_block(owner, layout.block, layout.checkpoint_block)
 
 
 def memory_owner(owner: str, layout: MoeLayout | None) -> str:
     """The inverse of :func:`checkpoint_owner`."""
-    if layout is None or layout.block == layout.checkpoint_block:
+    if layout is None:
         return owner
-    tail = f".{layout.checkpoint_block}.experts"
-    if not owner.endswith(tail):
-        return owner
-    return owner[: -len(tail)] + f".{layout.block}.experts"
+    return _rename_block(owner, layout.checkpoint_block, layout.block)
+
+
+def expert_projections(layout: MoeLayout | None) -> tuple[str, str, str]:
+    """The checkpoint names of an expert's gate, up and down projections."""
+    return layout.projections if layout is not None else PROJECTIONS
 
 
 def is_fused_experts(module: nn.Module | None) -> bool:
@@ -221,7 +230,7 @@ class W8A8DynamicExperts(QuantizedLinear):
         """Rebuild from an artifact's per-expert tensors ``<name>.{e}.{proj}.*``
         (every expert ``0..num_experts-1``, all three projections; ``name`` and
         ``proj`` as the checkpoint names them, see ``layout``)."""
-        names = layout.projections if layout is not None else PROJECTIONS
+        names = expert_projections(layout)
         codes: dict[str, list[torch.Tensor]] = {p: [] for p in PROJECTIONS}
         scales: dict[str, list[torch.Tensor]] = {p: [] for p in PROJECTIONS}
         for e in range(num_experts):
@@ -306,7 +315,7 @@ class W8A8DynamicExperts(QuantizedLinear):
         (``prefix`` the in-memory module name; ``layout`` renames)."""
         d, i = self.dtype, self.intermediate
         layout = getattr(self, "layout", None)
-        gate, up, down = layout.projections if layout is not None else PROJECTIONS
+        gate, up, down = expert_projections(layout)
         owner = checkpoint_owner(prefix, layout)
         out: dict[str, torch.Tensor] = {}
         for e in range(self.num_experts):

@@ -25,6 +25,7 @@ from ascend_fa.families import moe_layout
 from .experts import (
     W8A8DynamicExperts,
     checkpoint_owner,
+    expert_projections,
     expert_tensor_owner,
     is_fused_experts,
     memory_owner,
@@ -160,7 +161,7 @@ def load_quantized_model(
                 f"{owner}.{missing}: the model has experts 0..{n - 1}; the "
                 f"artifact quantizes {len(hit)} experts (all of them or none)"
             )
-        gate = layout.projections[0] if layout is not None else "gate_proj"
+        gate = expert_projections(layout)[0]
         first = f"{checkpoint_owner(owner, layout)}.0.{gate}.weight_scale"
         scale = tensors.get(first)
         module = W8A8DynamicExperts.from_tensors(  # names a missing tensor

@@ -55,6 +55,7 @@ from torch import nn
 
 from ascend_fa.errors import InputError, UnsupportedError
 from ascend_fa.families import norm_offset
+from ascend_fa.hf_compat import rotary_dim
 from ascend_fa.linear.typed_inputs import layer_kwargs
 
 from .common import causal_probs, fake_quant_absmax, first_row_sample
@@ -391,10 +392,7 @@ def _check_supported(
         for _, module in modules:
             _linear(module, "kv_b_proj")
         return
-    rope = getattr(cfg, "rope_parameters", None)
-    factor = (
-        rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
-    ) or (getattr(cfg, "partial_rotary_factor", 1.0) or 1.0)
+    rotated = rotary_dim(cfg)
     for name, module in modules:
         heads, _, dim = _geometry(module)
         if _linear(module, "q_proj").out_features == 2 * heads * dim:
@@ -406,10 +404,10 @@ def _check_supported(
                 "attention transforms are not folded into it, run without "
                 "--transforms"
             )
-    if float(factor) != 1.0:
+    if rotated is not None:
         raise UnsupportedError(
-            f"qk-smoothing needs RoPE over the whole head; partial_rotary_factor is "
-            f"{factor}"
+            f"qk-smoothing needs RoPE over the whole head; it rotates the first "
+            f"{rotated} channels (partial RoPE)"
         )
     for name, module in modules:
         heads, kv_heads, dim = _geometry(module)

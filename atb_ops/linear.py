@@ -76,6 +76,7 @@ __all__ = [
     "dynamic_quant",
     "dynamic_quant_ref",
     "int_gemm",
+    "int_gemm_float",
     "quant_matmul",
     "quant_matmul_dynamic",
     "quant_matmul_dynamic_ref",
@@ -328,6 +329,27 @@ def int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, NotImplementedError):
             pass
     return _chunked_gemm(x_q, weight)
+
+
+def int_gemm_float(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``int_gemm(x_q, weight).float()`` (the same values, fp32 ``[M, N]``) for
+    operands holding integers in ``[-128, 127]``: int8, or float tensors of such
+    integers (a search that scores many candidates keeps its codes in float and
+    skips the int8 round trip). Where the fp32 chunks are the product, up to two
+    chunks are added in fp32: each chunk's sum is an exact integer and one
+    correctly rounded addition of two exact values rounds as the int32 sum's
+    conversion does; more chunks add in int32."""
+    cpu_int = (
+        x_q.device.type == "cpu" and hasattr(torch, "_int_mm") and _cpu_int_mm_faster()
+    )
+    if cpu_int or x_q.shape[1] > 2 * _EXACT_FP32_K:
+        return int_gemm(x_q.to(torch.int8), weight.to(torch.int8)).float()
+    xf, wf = x_q.float(), weight.float()
+    k = xf.shape[1]
+    acc = xf[:, :_EXACT_FP32_K] @ wf[:, :_EXACT_FP32_K].t()
+    if k > _EXACT_FP32_K:
+        acc.add_(xf[:, _EXACT_FP32_K:] @ wf[:, _EXACT_FP32_K:].t())
+    return acc
 
 
 @torch.library.custom_op("ascend_fa::quant_matmul", mutates_args=())

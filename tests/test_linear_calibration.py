@@ -172,6 +172,43 @@ def test_decisions_do_not_depend_on_the_cpu_int_product(build, quant_type, monke
         assert torch.equal(tensor, state_b[key]), key
 
 
+@pytest.mark.parametrize("quant_type", ["W8A8", "W8A8_DYNAMIC"])
+@pytest.mark.parametrize("build", [tiny_llama, tiny_deepseek], ids=["llama", "mla"])
+def test_stopping_candidates_early_changes_no_decision(build, quant_type, monkeypatch):
+    """The held-out search scores candidates chunk by chunk and stops those that
+    cannot win; against every candidate scored on all rows in one piece (the
+    search before the stop: one chunk, no stop) the decisions, gains and artifact
+    tensors are bit-equal, with fewer rows scored."""
+    from ascend_fa.linear import search
+
+    tok = byte_tokenizer()
+    runs = []
+    real = search._HeldOutScorer.chunk_errors
+    for full in (True, False):
+        rows = [0]
+
+        def counted(self, alpha, clip, i, k, rows=rows):
+            out = real(self, alpha, clip, i, k)
+            rows[0] += out.numel()
+            return out
+
+        monkeypatch.setattr(search._HeldOutScorer, "chunk_errors", counted)
+        monkeypatch.setattr(search, "_CHUNKS", 1 if full else 8)
+        monkeypatch.setattr(search, "_PRUNE_MARGIN", float("inf") if full else 1e-4)
+        model = build()
+        config = {"quant_type": quant_type, "fallback": 3, "layer_budget": 0.0}
+        result = _run(model, tok, **config)
+        report = result.to_report()
+        report.pop("seconds")
+        runs.append((report, export_state(model, dict(model.state_dict())), rows[0]))
+    (report_a, state_a, rows_a), (report_b, state_b, rows_b) = runs
+    assert report_a == report_b
+    assert state_a.keys() == state_b.keys()
+    for key, tensor in state_a.items():
+        assert torch.equal(tensor, state_b[key]), key
+    assert rows_b < rows_a
+
+
 def test_layer_fallback_spends_the_cap_pro_rata_over_depth():
     """A layer cannot see the layers after it, so after the i-th of L layers at
     most ceil(cap * i / L) linears are float; a share a layer does not use passes

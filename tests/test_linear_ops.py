@@ -11,6 +11,7 @@ from ascend_fa.atb_ops.linear import (
     dynamic_quant_ref,
     encode_deq_scale_int64,
     int_gemm,
+    int_gemm_float,
     quant_matmul,
     quant_matmul_dynamic,
     quant_matmul_dynamic_ref,
@@ -111,6 +112,24 @@ def test_int_gemm_is_the_exact_int32_product(shape, int8_gemm, monkeypatch):
     # the extreme sum: -128 * -128 over K = 65535, the largest K the device takes
     big = torch.full((1, 65535), -128, dtype=torch.int8)
     assert int(int_gemm(big, big)[0, 0]) == 16384 * 65535
+
+
+@pytest.mark.parametrize("int8_gemm", [True, False], ids=["int_mm", "fp32-chunks"])
+@pytest.mark.parametrize("k", [1, 1024, 1500, 2048, 2051])
+def test_int_gemm_float_is_the_int32_product_converted(k, int8_gemm, monkeypatch):
+    """``int_gemm_float`` of int8 codes or of the same integers held in float equals
+    ``int_gemm(...).float()`` bit for bit: one, two (added in fp32) and three
+    chunks (added in int32), with sums past 2**24 where fp32 rounds."""
+    if int8_gemm and not hasattr(torch, "_int_mm"):
+        pytest.skip("this torch build has no torch._int_mm")
+    monkeypatch.setattr(linear_ops, "_CPU_INT_MM", int8_gemm)
+    x, w = _codes((6, k), seed=5), _codes((4, k), seed=6)
+    x[0], w[0] = -128, -128  # the largest sums: 16384 * k
+    x[1, : k // 2], w[1] = 127, 127
+    want = int_gemm(x, w).float()
+    for a, b in ((x, w), (x.float(), w.float())):
+        got = int_gemm_float(a, b)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_int_gemm_chooses_its_cpu_product_once(monkeypatch):

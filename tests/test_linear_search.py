@@ -48,7 +48,11 @@ def _ref_fq_dynamic(x: torch.Tensor) -> torch.Tensor:
 
 
 def _ref_choice(
-    w: torch.Tensor, batches: list[torch.Tensor], dynamic: bool = False
+    w: torch.Tensor,
+    batches: list[torch.Tensor],
+    dynamic: bool = False,
+    alphas: tuple[float | None, ...] = ALPHAS,
+    clips: tuple[float, ...] = CLIPS,
 ) -> tuple[float | None, float]:
     """Brute force over the grid, exactly as described: fold k = updates k, k+2..;
     each fold's own per-channel absmax smooths (s = a^α / w^(1-α), 1 where either
@@ -79,10 +83,10 @@ def _ref_choice(
                 total += float((y[t] - ref[t]).square().sum() / ref[t].square().sum())
         return total
 
-    alpha = min(ALPHAS, key=lambda a: err(a, 1.0))
+    alpha = min(alphas, key=lambda a: err(a, 1.0))
     if dynamic:  # per-token ranges: nothing to clip
         return alpha, 1.0
-    return alpha, min(CLIPS, key=lambda c: err(alpha, c))
+    return alpha, min(clips, key=lambda c: err(alpha, c))
 
 
 def _rows(gen: torch.Generator, n: int, k: int, loud: int, size: float) -> torch.Tensor:
@@ -117,6 +121,37 @@ def test_choice_equals_brute_force_reference(seed, dynamic):
     assert got.lo == pytest.approx(lo, rel=1e-6) and got.hi == pytest.approx(
         hi, rel=1e-6
     )
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["w8a8", "w8a8_dynamic"])
+def test_stopped_candidates_change_nothing_on_the_default_grids(monkeypatch, dynamic):
+    """With the default grids (10 α, 12 c) the chunked scoring stops most
+    candidates early, and the choice is still the brute-force reference's."""
+    from ascend_fa.linear import search
+    from ascend_fa.linear.engine import DEFAULT_ALPHAS, DEFAULT_CLIPS
+
+    calls = []
+    real = search._HeldOutScorer.chunk_errors
+
+    def spy(self, alpha, clip, i, k):
+        calls.append((alpha, clip, i, k))
+        return real(self, alpha, clip, i, k)
+
+    monkeypatch.setattr(search._HeldOutScorer, "chunk_errors", spy)
+    gen = torch.Generator().manual_seed(5)
+    k, n = 24, 64
+    w = torch.randn(16, k, generator=gen)
+    batches = [_rows(gen, n, k, loud=j % 5, size=3.0 + 2 * j) for j in range(4)]
+    st = _stats(batches, rows=n)
+    got = decide_group(
+        w, st, dynamic=dynamic, dtype=DT, alphas=DEFAULT_ALPHAS, clips=DEFAULT_CLIPS
+    )
+    ref = _ref_choice(w, batches, dynamic, DEFAULT_ALPHAS, DEFAULT_CLIPS)
+    assert (got.alpha, got.clip) == ref
+    candidates = len(DEFAULT_ALPHAS) + (0 if dynamic else len(DEFAULT_CLIPS) - 1)
+    full = candidates * 2 * search._CHUNKS
+    assert len(set(calls)) == len(calls)  # no chunk scored twice
+    assert len(calls) < 0.75 * full
 
 
 def test_a_fold_beyond_the_other_leaves_headroom():

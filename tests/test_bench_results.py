@@ -241,7 +241,7 @@ def test_bench_targets_quick_json_in_the_one_schema(tmp_path):
     modes = {r["mode"] for r in doc["records"]}
     assert modes == {
         "float", "mindie_faquant", "vllm_ascend_c8", "vllm_fp8_tensor",
-        "vllm_fp8_head",
+        "vllm_fp8_head", "mindie_w8a8_faquant",
     }  # fmt: skip
     evals = {r["params"]["eval"] for r in doc["records"]}
     assert evals == {"prose", "code", "prose-long", "code-long"}
@@ -252,11 +252,42 @@ def test_bench_targets_quick_json_in_the_one_schema(tmp_path):
     # the long window's record carries its KL ratio and the goal
     long = [r for r in doc["records"] if r["params"]["eval"].endswith("-long")]
     assert {r["params"]["window"] for r in long} == {64, 256}
-    assert len(long) == 2 * 2 * 4
+    assert len(long) == 2 * 2 * 5
     for r in long:
         at_long = r["params"]["window"] == 256
         assert (r["extra"]["kl_vs_short_window"] is not None) == at_long
         assert (r["goal"] == "<= 1.25") == at_long
+
+
+def test_bench_targets_w8a8_row_runs_on_its_quantized_copy():
+    """The W8A8 + FAQuant row is evaluated on its own model (the quantized copy)
+    against the float model's reference: float placeholders on the same model
+    give KL 0 and top-1 1; on the copy with W8A8 linears the KL is positive; the
+    float model is left as it was."""
+    import copy
+
+    import torch
+
+    from ascend_fa.benchmarks import targets
+    from ascend_fa.calibration.pipeline import calibrate_linears
+    from ascend_fa.linear import LinearConfig
+    from ascend_fa.linear.modules import QuantizedLinear
+
+    model, tok, _name = targets._model(quick=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    texts = ["a quick brown fox jumps over the lazy dog " * 4] * 4
+    quantized = copy.deepcopy(model)
+    calibrate_linears(
+        quantized, tok, texts, LinearConfig(), max_length=32, progress=False
+    )
+    assert any(isinstance(m, QuantizedLinear) for m in quantized.modules())
+    windows = [torch.arange(40) % 200, torch.arange(40) % 97]
+    specs = {"same": None, "copy": targets.OnModel(quantized, None)}
+    _ppl, _n, rows, _s = targets._evaluate(model, windows, specs)
+    assert rows["same"]["kl"] == 0.0 and rows["same"]["top1"] == 1.0
+    assert rows["copy"]["kl"] > 0.0
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_streaming_workdir_that_is_not_a_directory_is_one_line(tmp_path, capsys):

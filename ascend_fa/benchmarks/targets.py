@@ -11,14 +11,18 @@ and compared with the float model on the packaged held-out prose and code texts:
 perplexity change, mean KL(float ‖ quantized) per token and top-1 agreement of
 the next-token prediction.
 
-The model runs in fp32 with float linears: the rows isolate the attention /
-KV-cache quantization of each target (``mindie`` deploys FAQuant next to W8A8
-linears; their error is measured by the linear-quantization benchmark).
+The model runs in fp32 with float linears: the first rows isolate the attention /
+KV-cache quantization of each target. ``mindie`` deploys FAQuant next to W8A8
+linears: the last row is that whole deployment, the linears quantized as
+``ascend-fa calibrate`` does by default (static W8A8, layer fallback, in memory,
+as ``bench linear-accuracy`` measures them) and FAQuant calibrated on the
+quantized model, its FA tensors written and read back as the others'.
 ``--quick`` uses a tiny random LLaMA and a few hundred tokens (a smoke run).
 
 ``--json`` writes the one result schema (:mod:`.results`): per evaluation text, a
 ``float`` record and one per target (``mode`` ``mindie_faquant``,
-``vllm_ascend_c8``, ``vllm_fp8_tensor``, ``vllm_fp8_head``) whose ``median_s`` is
+``vllm_ascend_c8``, ``vllm_fp8_tensor``, ``vllm_fp8_head``,
+``mindie_w8a8_faquant``) whose ``median_s`` is
 the time of that spec's forwards over the windows, ``ratio`` its perplexity over
 the float model's, and ``extra`` the ppl, ppl change, KL and top-1. The FAQuant
 row carries the accuracy goal (ppl ratio <= 1.002 and KL <= 0.003, both must hold).
@@ -27,9 +31,12 @@ row carries the accuracy goal (ppl ratio <= 1.002 and KL <= 0.003, both must hol
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import math
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +46,15 @@ from .results import Record, verdict, write_results
 NAME = "targets"
 HELP = "ppl / KL / top-1 of what each target deploys (mindie, vllm-ascend, vllm)"
 
+#: The whole mindie deployment: default static W8A8 linears and FAQuant.
+W8A8_LABEL = "mindie: W8A8 linears + FAQuant"
 #: Table label of each deployed spec -> its record ``mode``.
 SPEC_MODES = {
     "mindie: FAQuant Q/K/V per head": "mindie_faquant",
     "vllm-ascend: C8 K/V per channel, Q float": "vllm_ascend_c8",
     "vllm: FP8 K/V per tensor, Q float": "vllm_fp8_tensor",
     "vllm: FP8 K/V per head, Q float": "vllm_fp8_head",
+    W8A8_LABEL: "mindie_w8a8_faquant",
 }
 #: Goals (ppl ratio vs float, KL per token) where an issue sets one: FAQuant with
 #: float linears, perplexity change <= +0.2 % and KL <= 0.0030 on prose and code.
@@ -140,6 +150,15 @@ def _evaluate(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any:
         return _evaluate_sums(model, windows, specs)
 
 
+@dataclass(frozen=True)
+class OnModel:
+    """A spec evaluated on its own model (the float one's quantized copy) against
+    the float model's reference."""
+
+    model: Any
+    spec: Any
+
+
 def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any:
     from ascend_fa.adapters.hf import swapped_points
     from ascend_fa.calibration.pipeline import injected_points
@@ -147,10 +166,17 @@ def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any
 
     sums = {k: [0.0, 0.0, 0, 0] for k in ["float", *specs]}  # nll, kl, top1, n
     seconds = dict.fromkeys(["float", *specs], 0.0)  # forwards only
-    with injected_points(model) as (_adapter, mods):
-        for spec in specs.values():
+    with contextlib.ExitStack() as stack:
+        _adapter, mods = stack.enter_context(injected_points(model))
+        runs = {}  # label -> (model, its FA points, spec)
+        for key, spec in specs.items():
+            own, points = model, mods
+            if isinstance(spec, OnModel):
+                own, spec = spec.model, spec.spec
+                points = stack.enter_context(injected_points(own))[1]
             if callable(getattr(spec, "check", None)):
-                spec.check(mods)
+                spec.check(points)
+            runs[key] = (own, points, spec)
         for w in windows:
             ids = w.view(1, -1)
             t0 = time.perf_counter()
@@ -160,10 +186,10 @@ def _evaluate_sums(model: Any, windows: list[Any], specs: dict[str, Any]) -> Any
             nll, n = token_nll(ref, ids)
             sums["float"][0] += nll
             sums["float"][3] += n
-            for key, spec in specs.items():
+            for key, (own, points, spec) in runs.items():
                 t0 = time.perf_counter()
-                with swapped_points(mods, _maker(spec)):
-                    out = model(input_ids=ids, use_cache=False).logits
+                with swapped_points(points, _maker(spec)):
+                    out = own(input_ids=ids, use_cache=False).logits
                 seconds[key] += time.perf_counter() - t0
                 kl, top1, count = token_kl(ref[:, :-1], out[:, :-1])
                 s = sums[key]
@@ -196,15 +222,19 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     calib, plans = _calibrate(model, tok, n, length)
     calib_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    quantized, plans[W8A8_LABEL] = _w8a8_deployment(model, tok, calib, length)
+    linear_s = time.perf_counter() - t0
     specs = _written_specs(model, plans)
+    specs[W8A8_LABEL] = OnModel(quantized, specs[W8A8_LABEL])
     t0 = time.perf_counter()
     results = _evaluate_sets(args, model, tok, specs, length)
     long_results = _evaluate_long(args, model, tok, specs, length)
     eval_s = time.perf_counter() - t0
     print(
         f"model: {name} (load {load_s:.1f} s); calibration {len(calib)} samples x "
-        f"{length} tokens ({calib_s:.1f} s, FA + C8 + FP8 observers in one pass); "
-        f"eval {eval_s:.1f} s"
+        f"{length} tokens ({calib_s:.1f} s, FA + C8 + FP8 observers in one pass; "
+        f"W8A8 linears + FAQuant {linear_s:.1f} s); eval {eval_s:.1f} s"
     )
     _print_table(results, specs)
     params = {"model": name, "num_samples": n, "max_length": length}
@@ -214,7 +244,11 @@ def run(args: argparse.Namespace) -> int:
         args.json,
         _records(results, params, quick) + _long_records(long_results, params),
         backend="cpu",
-        extra={"load_seconds": load_s, "calibration_seconds": calib_s},
+        extra={
+            "load_seconds": load_s,
+            "calibration_seconds": calib_s,
+            "w8a8_calibration_seconds": linear_s,
+        },
     )
     return 0
 
@@ -263,6 +297,31 @@ def _calibrate(
         ),
     }
     return calib, plans
+
+
+def _w8a8_deployment(
+    model: Any, tok: Any, calib: list[str], length: int
+) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``model`` with its linears quantized as ``ascend-fa calibrate``
+    quantizes them by default (static W8A8, bf16 scales, layer fallback), and the
+    export arguments of the FAQuant scales calibrated on it (the mindie
+    deployment: FA observes what the quantized linears feed it)."""
+    import torch
+
+    from ascend_fa.calibration.job import default_recipe_path
+    from ascend_fa.calibration.pipeline import calibrate_linears, calibrate_model
+    from ascend_fa.calibration.recipe import load_recipe
+    from ascend_fa.linear import LinearConfig
+
+    quantized = copy.deepcopy(model)
+    config = LinearConfig("W8A8", torch.bfloat16)
+    kw: dict[str, Any] = dict(max_length=length, batch_size=4, progress=False)
+    calibrate_linears(quantized, tok, calib, config, **kw)
+    recipe = load_recipe(default_recipe_path())
+    result = calibrate_model(quantized, tok, calib, recipe=recipe, **kw)
+    scales = result.export_scales(quantized)
+    result.remove(quantized)
+    return quantized, dict(scales=scales, fa_quant_type="FAQuant")
 
 
 def _written_specs(model: Any, plans: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -425,24 +425,12 @@ def test_full_size_plan_quantizes_90_percent(model_type):
     assert fraction >= 0.9, fraction
 
 
-def _dp_worker(rank: int, init: str, src: str, data: str, out: str, kw: dict) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init}", rank=rank, world_size=2
-    )
-    try:
-        calibrate(src, output=out, calib_data=data, **kw)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path):
     """glm_moe_dsa (shared top-k layers) for vllm-ascend on 2 gloo ranks: the
     artifact of one process, bit for bit."""
     import torch.multiprocessing as mp
+    from test_data_parallel import _worker
 
     src = save(tmp_path, "glm_moe_dsa")
     data = _data(tmp_path)
@@ -450,7 +438,7 @@ def test_two_ranks_equal_one_process(tmp_path):
     kw.update(picture_report=False, progress=False)
     one = calibrate(src, output=tmp_path / "one", calib_data=data, **kw)
     args = (str(tmp_path / "store"), str(src), str(data), str(tmp_path / "two"), kw)
-    mp.spawn(_dp_worker, args=args, nprocs=2, join=True)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     a, b = _tensors(one.output), _tensors(tmp_path / "two")
     assert a and set(a) == set(b)
     for name, t in a.items():

@@ -443,25 +443,11 @@ def test_emulate_and_transforms_are_refused_in_one_line(src, tmp_path, capsys):
     assert "recurrent state" in err[0] and "linear_attention" in err[0]
 
 
-def _rank(rank: int, init: str, src: str, data: str, out: str, kw: dict) -> None:
-    import torch.distributed as dist
-
-    from ascend_fa.calibration.job import calibrate
-
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank,
-                            world_size=2)  # fmt: skip
-    try:
-        calibrate(src, output=out, calib_data=data, **kw)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 def test_two_data_parallel_ranks_equal_one_process(src, tmp_path):
     """Two gloo ranks (2 + 1 batches) write the artifact of one process."""
     import torch.multiprocessing as mp
-    from test_data_parallel import TEXTS, assert_same_artifact
+    from test_data_parallel import TEXTS, _worker, assert_same_artifact
 
     from ascend_fa.calibration.job import calibrate
 
@@ -472,5 +458,5 @@ def test_two_data_parallel_ranks_equal_one_process(src, tmp_path):
     one = calibrate(src, output=tmp_path / "one", calib_data=data, **kw)
     assert one.output.is_dir()
     args = (str(tmp_path / "store"), str(src), str(data), str(tmp_path / "two"), kw)
-    mp.spawn(_rank, args=args, nprocs=2, join=True)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     assert_same_artifact(one.output, tmp_path / "two", ranks=2)

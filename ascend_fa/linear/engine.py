@@ -45,7 +45,12 @@ from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
 from .search import GroupDecision, InputStats, decide_group
 from .stack import layer_step
-from .typed_inputs import LayerInputs, capture_layer_inputs, layer_kwargs
+from .typed_inputs import (
+    LayerInputs,
+    capture_layer_inputs,
+    decoder_layers,
+    layer_kwargs,
+)
 
 __all__ = [
     "DEFAULT_ALPHAS",
@@ -274,15 +279,6 @@ def swap_group(model: nn.Module, modules: dict[str, nn.Module]) -> None:
     """Put each ``name -> module`` in place (``set_submodule``)."""
     for name, module in modules.items():
         model.set_submodule(name, module)
-
-
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise UnsupportedError(
-            f"{type(model).__name__}: no model.layers decoder stack to calibrate"
-        )
-    return layers
 
 
 def real_rows(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -589,7 +585,7 @@ def quantize_linears(
     ]
     if done:
         raise InputError(f"{done[0]} is already quantized; start from the float model")
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     batches = list(batches)
     sync = StatsSync() if parallel.is_active() else None
     if not batches and sync is None:

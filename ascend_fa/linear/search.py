@@ -212,18 +212,9 @@ def _fq_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _codes_static(
     x: torch.Tensor, lo: float, hi: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, float, int]:
-    """``(codes int8, scale, offset)`` of ``x`` in the range ``[lo, hi]``, as
-    W8A8Linear.quantize_input: times ``1 / scale`` computed in the dtype."""
-    scale, offset = activation_qparams(lo, hi, dtype)
-    recip = torch.tensor([scale], dtype=dtype).reciprocal().float()
-    q = torch.clamp(torch.round(x * recip + float(offset)), -128, 127)
-    return q.to(torch.int8), scale, offset
-
-
-def _float_codes_static(
-    x: torch.Tensor, lo: float, hi: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, float, int]:
-    """:func:`_codes_static` with the codes left in float (the same integers)."""
+    """``(codes, scale, offset)`` of ``x`` in the range ``[lo, hi]``, as
+    W8A8Linear.quantize_input: times ``1 / scale`` computed in the dtype; the int8
+    codes held in float."""
     scale, offset = activation_qparams(lo, hi, dtype)
     recip = torch.tensor([scale], dtype=dtype).reciprocal().float()
     q = (x * recip).add_(float(offset)).round_().clamp_(-128, 127)
@@ -234,7 +225,7 @@ def _fq_static(
     x: torch.Tensor, lo: float, hi: float, dtype: torch.dtype
 ) -> torch.Tensor:
     q, scale, offset = _codes_static(x, lo, hi, dtype)
-    return (q.float() - offset) * scale
+    return (q - offset) * scale
 
 
 def _fq_dynamic(x: torch.Tensor) -> torch.Tensor:
@@ -488,7 +479,7 @@ class _HeldOutScorer:
             if s is not None:
                 lo_c, hi_c = lo_c / s, hi_c / s
             lo, hi = clip * float(lo_c.min()), clip * float(hi_c.max())
-            q, scale, offset = _float_codes_static(held, lo, hi, self.dtype)
+            q, scale, offset = _codes_static(held, lo, hi, self.dtype)
             # (q - offset) @ codes^T = q @ codes^T - offset * rowsum(codes), the
             # first an exact integer product (the device's int8 GEMM).
             out = int_gemm_float(q, codes).sub_(float(offset) * rowsum.float())

@@ -32,6 +32,7 @@ __all__ = [
     "capture_layer_inputs",
     "capture_typed_inputs",
     "decoder_layer_type",
+    "decoder_layers",
     "layer_kwargs",
     "mixed_layer_types",
 ]
@@ -128,7 +129,8 @@ def capture_typed_inputs(
     return out
 
 
-def _stack(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """``model.model.layers`` (UnsupportedError naming the model without one)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise UnsupportedError(
@@ -154,7 +156,7 @@ def capture_layer_inputs(
     types = mixed_layer_types(model)
     if types is not None:
         batches = list(batches)
-        typed = capture_typed_inputs(model, _stack(model), types, batches)
+        typed = capture_typed_inputs(model, decoder_layers(model), types, batches)
         return [
             (hidden.detach(), kwargs, _token_mask(batch, hidden))
             for (hidden, kwargs), batch in zip(typed, batches, strict=True)

@@ -71,7 +71,7 @@ LINEAR_MODES = (
     ),
     (
         "w8a8_linears_fa",
-        "W8A8 linears, whole, + FA pass with them active (calibrate --linear w8a8)",
+        "W8A8 linears, whole, + FA pass riding on them (calibrate --linear w8a8)",
     ),
 )
 
@@ -190,30 +190,33 @@ class _SortWindowObserver(nn.Module):
 def _linear_overhead(
     model: nn.Module, adapter: Any, batches: list[torch.Tensor], recipe: Any
 ) -> dict[str, float]:
-    """Seconds of the W8A8 calibration on a copy of ``model``: the layer-sequential
-    linear pass alone (observe, decide, propagate; no fallback scan), and followed
-    by the FA pass with the quantized linears active (what ``calibrate --linear
-    w8a8 --linear-fallback 0`` runs)."""
+    """Seconds of the W8A8 calibration on copies of ``model``: the
+    layer-sequential linear pass alone (observe, decide, propagate; no fallback
+    scan), and with the FA pass riding on it, observing each layer's quantized
+    outputs (what ``calibrate --linear w8a8 --linear-fallback 0`` runs)."""
     import copy
+    from types import SimpleNamespace
 
-    from ascend_fa.calibration import FA3Processor
-    from ascend_fa.calibration.pipeline import run_forwards
+    from ascend_fa.calibration.pipeline import AttentionObserving
     from ascend_fa.linear import LinearConfig, calibrate_linears
 
-    work = copy.deepcopy(model)
+    del adapter  # the observers' adapter is the model's own
     dicts = [{"input_ids": b} for b in batches]
+    config = LinearConfig("W8A8", torch.bfloat16, fallback=0)
+    work = copy.deepcopy(model)
     t = time.perf_counter()
-    calibrate_linears(work, dicts, LinearConfig("W8A8", torch.bfloat16, fallback=0))
+    calibrate_linears(work, dicts, config)
     t_lin = time.perf_counter() - t
+    work = copy.deepcopy(model)
+    length = int(batches[0].shape[1]) if batches else 0
+    texts = sum(int(b.shape[0]) for b in batches)
     t = time.perf_counter()
-    proc = FA3Processor(recipe)
-    proc.preprocess(work, adapter)
-    proc.process(work)
-    run_forwards(work, dicts)
-    proc.postprocess(work)
-    t_fa = time.perf_counter() - t
-    proc.remove(work, adapter)
-    return {LINEAR_MODES[0][0]: t_lin, LINEAR_MODES[1][0]: t_lin + t_fa}
+    packaged = SimpleNamespace(processors=[recipe])
+    with AttentionObserving(work, packaged, texts, length) as observing:
+        calibrate_linears(work, dicts, config, propagate=observing.propagate)
+    observing.result().remove(work)
+    t_both = time.perf_counter() - t
+    return {LINEAR_MODES[0][0]: t_lin, LINEAR_MODES[1][0]: t_both}
 
 
 class _Setup(NamedTuple):

@@ -309,16 +309,16 @@ def _w8a8_deployment(
     import torch
 
     from ascend_fa.calibration.job import default_recipe_path
-    from ascend_fa.calibration.pipeline import calibrate_linears, calibrate_model
+    from ascend_fa.calibration.pipeline import calibrate_with_linears
     from ascend_fa.calibration.recipe import load_recipe
     from ascend_fa.linear import LinearConfig
 
     quantized = copy.deepcopy(model)
     config = LinearConfig("W8A8", torch.bfloat16)
-    kw: dict[str, Any] = dict(max_length=length, batch_size=4, progress=False)
-    calibrate_linears(quantized, tok, calib, config, **kw)
     recipe = load_recipe(default_recipe_path())
-    result = calibrate_model(quantized, tok, calib, recipe=recipe, **kw)
+    _lin, result, _t = calibrate_with_linears(
+        quantized, tok, calib, config, recipe=recipe, max_length=length
+    )
     scales = result.export_scales(quantized)
     result.remove(quantized)
     return quantized, dict(scales=scales, fa_quant_type="FAQuant")

@@ -40,6 +40,7 @@ from .stages import (
     AttentionPass,
     Folding,
     Heldout,
+    attention_on_linears,
     fold_transforms,
     keep_within_budget,
     measure_heldout,
@@ -192,8 +193,9 @@ def calibrate(
     with parallel.process_group(get_backend(plan.backend).device) as device:
         source = open_source(plan, device)
         folding = fold_transforms(plan, source)
-        linears = quantize_linears(plan, source)
-        attention = observe_attention(plan, source, folding)
+        riding = attention_on_linears(plan, source, folding)
+        linears = quantize_linears(plan, source, riding)
+        attention = observe_attention(plan, source, folding, riding)
         folded = folding.outcome()
         attention, budget = keep_within_budget(plan, source, attention)
         heldout = measure_heldout(plan, source, attention, budget)

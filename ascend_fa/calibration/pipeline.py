@@ -8,6 +8,7 @@ verb, the clip search, the method comparison and the calibration benchmark);
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -16,8 +17,15 @@ from torch import nn
 
 from ascend_fa import parallel
 from ascend_fa.adapters import injected_points
-from ascend_fa.adapters.hf import find_fa_modules, run_forwards, swapped_points
+from ascend_fa.adapters.base import token_mask_scope
+from ascend_fa.adapters.hf import (
+    fa_points,
+    find_fa_modules,
+    run_forwards,
+    swapped_points,
+)
 from ascend_fa.adapters.placeholder import FA_BRANCHES, FA3QuantPlaceHolder
+from ascend_fa.linear.engine import propagate_layer
 
 from .distributed import all_reduce_observer, is_distributed
 from .layerwise import (
@@ -31,11 +39,13 @@ from .layerwise import (
 from .processor import FA3Observer, FA3Processor
 
 __all__ = [
+    "AttentionObserving",
     "CalibratedModel",
     "PointWrapper",
     "Ranges",
     "calibrate_linears",
     "calibrate_model",
+    "calibrate_with_linears",
     "calibration_batches",
     "float_mode",
     "injected_points",
@@ -184,25 +194,9 @@ def calibrate_model(
     attention transforms fold there (:class:`~ascend_fa.transforms.attention.
     LayerwiseTransforms`); a model that cannot run layer-major raises ValueError.
     """
-    from ascend_fa.adapters import get_adapter
-
-    adapter = get_adapter(model)
-    processors = [FA3Processor(item) for item in recipe.processors]
-    for proc in processors:
-        proc.preprocess(model, adapter)
-    selected = find_fa_modules(model)
-    if not selected:
-        names = [n for n, _ in adapter.attention_modules(model)]
-        for proc in processors:
-            proc.remove(model, adapter)
-        raise ValueError(
-            f"the recipe selects no attention module (include/exclude match none of "
-            f"the {len(names)} attention modules, e.g. {names[0] if names else '-'})"
-        )
-    bound = samples_bound(selected, len(texts), max_length)
-    for proc in processors:
-        proc.config = tighten_max_samples(proc.config, bound)
-        proc.process(model)
+    adapter, processors, selected = _install_observers(
+        model, recipe, len(texts), max_length
+    )
     # A data-parallel rank runs its block of whole batches (the bound above counts
     # all texts: every rank's observers are configured alike).
     start, stop = parallel.batch_share(len(texts), batch_size)
@@ -242,6 +236,42 @@ def calibrate_model(
     finally:
         if bar is not None:
             bar.close()
+    return _collect_ranges(model, processors, adapter)
+
+
+def _install_observers(
+    model: nn.Module, recipe: Any, texts: int, max_length: int
+) -> tuple[Any, list[FA3Processor], dict[str, nn.Module]]:
+    """Inject the recipe's FA points and put an observer at each (their sample
+    caps tightened to ``texts`` x ``max_length`` tokens): ``(adapter,
+    processors, selected attention modules)``."""
+    from ascend_fa.adapters import get_adapter
+
+    adapter = get_adapter(model)
+    processors = [FA3Processor(item) for item in recipe.processors]
+    for proc in processors:
+        proc.preprocess(model, adapter)
+    selected = find_fa_modules(model)
+    if not selected:
+        names = [n for n, _ in adapter.attention_modules(model)]
+        for proc in processors:
+            proc.remove(model, adapter)
+        raise ValueError(
+            f"the recipe selects no attention module (include/exclude match none of "
+            f"the {len(names)} attention modules, e.g. {names[0] if names else '-'})"
+        )
+    bound = samples_bound(selected, texts, max_length)
+    for proc in processors:
+        proc.config = tighten_max_samples(proc.config, bound)
+        proc.process(model)
+    return adapter, processors, selected
+
+
+def _collect_ranges(
+    model: nn.Module, processors: list[FA3Processor], adapter: Any
+) -> CalibratedModel:
+    """Read every observer's range (all ranks' samples in a data-parallel run)
+    and put the model in fake-quant mode."""
     ranges: Ranges = {}
     for name, module in find_fa_modules(model).items():
         entry = {}
@@ -259,6 +289,79 @@ def calibrate_model(
     return CalibratedModel(processors, adapter, ranges)
 
 
+class AttentionObserving:
+    """The FA pass riding on the linear pass: the recipe's observers (and the KV
+    ``wrap``) installed before the linears are calibrated, fed only while each
+    decoder layer, its linears quantized and placed, runs on the calibration
+    batches (:data:`~ascend_fa.linear.Propagate`); every other forward of the
+    linear pass (statistics, fallback, scan data) sees identity placeholders.
+
+    Each observer then sees what the separate layer-major pass over the
+    quantized model shows it (:mod:`.layerwise`: the same tensors in the same
+    batch order, the padding mask set per batch), so the scales are the same bit
+    for bit, without that pass's forward of the whole model. Valid where the
+    layer-major pass is (:func:`~.layerwise.layerwise_supported`), for the
+    layer-local fallback (the ``"kl"`` scan changes layers after they ran) and
+    without a resumed linear pass (the observers of finished layers are not
+    checkpointed). Use as a context manager around the linear pass, then
+    :meth:`result`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        recipe: Any,
+        texts: int,
+        max_length: int,
+        wrap: PointWrapper | None = None,
+    ) -> None:
+        if not layerwise_supported(model):
+            raise ValueError(
+                f"{type(model).__name__}: the FA pass cannot ride on the linear "
+                "pass (its decoder layers get different masks)"
+            )
+        self.model = model
+        self.adapter, self.processors, selected = _install_observers(
+            model, recipe, texts, max_length
+        )
+        self._stack = contextlib.ExitStack()
+        if wrap is not None:
+            self._stack.enter_context(swapped_points(selected, wrap))
+        self._points = {
+            (name, branch): point
+            for name, module in find_fa_modules(model).items()
+            for branch, point in fa_points(module)
+        }
+        self._stack.enter_context(float_mode(model))
+        self._calibrated: CalibratedModel | None = None
+
+    def __enter__(self) -> AttentionObserving:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def propagate(self, index: int, layer: nn.Module, inputs: list[Any]) -> None:
+        """Run decoder layer ``index`` on ``inputs`` with its observers in place."""
+        del index  # the layer's attention modules are found under ``layer``
+        inside = {id(m) for m in layer.modules()}
+        here = {n: m for n, m in find_fa_modules(self.model).items() if id(m) in inside}
+        with swapped_points(here, lambda n, b, _p: self._points[(n, b)]):
+            propagate_layer(
+                layer, inputs, scope=lambda mask: token_mask_scope(self.model, mask)
+            )
+
+    def result(self) -> CalibratedModel:
+        """The observers' ranges; the model left in fake-quant mode (as
+        :func:`calibrate_model` leaves it)."""
+        if self._calibrated is None:
+            self._stack.close()
+            self._calibrated = _collect_ranges(
+                self.model, self.processors, self.adapter
+            )
+        return self._calibrated
+
+
 def calibrate_linears(
     model: nn.Module,
     tokenizer: Any,
@@ -271,6 +374,7 @@ def calibrate_linears(
     progress: bool = True,
     checkpoint: Any = None,
     prepare_layer: Callable[[int], None] | None = None,
+    attention: AttentionObserving | None = None,
 ) -> Any:
     """Quantize ``model``'s linears on ``texts`` (:mod:`ascend_fa.linear`): all
     texts in padded batches for the layer-by-layer calibration, and the first
@@ -283,7 +387,10 @@ def calibrate_linears(
     reduced per layer) and the whole scan data (every rank then takes the same
     fallback decisions). ``prepare_layer(i)`` is called before decoder layer ``i``
     is calibrated (a streamed model loads it: a rank without batches runs none
-    of its forwards)."""
+    of its forwards). ``attention`` (:class:`AttentionObserving`, installed on
+    ``model`` for the same ``texts``): the FA pass observes inside this one, as
+    each layer's quantized outputs are computed; read it with its ``result()``
+    after."""
     from ascend_fa import linear as linear_pkg
 
     def batches(items: list[str], length: int) -> list[dict[str, torch.Tensor]]:
@@ -319,6 +426,7 @@ def calibrate_linears(
             keep_floats=False,
             checkpoint=checkpoint,
             prepare_layer=prepare_layer,
+            propagate=attention.propagate if attention is not None else None,
         )
     finally:
         if bar is not None:
@@ -335,3 +443,37 @@ def float_mode(model: nn.Module) -> Iterator[None]:
         ),
     ):
         yield
+
+
+def calibrate_with_linears(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: list[str],
+    config: Any,
+    *,
+    recipe: Any,
+    max_length: int = 512,
+    batch_size: int = 4,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> tuple[Any, CalibratedModel, float]:
+    """The linears quantized (``config``: a :class:`~ascend_fa.linear.
+    LinearConfig`), then the FA scales observed on them, as ``calibrate`` runs
+    both: the FA pass rides on the linear pass (:class:`AttentionObserving`)
+    where it can (criterion ``"layer"``, a model whose layers share one mask),
+    else runs after it. Returns ``(LinearResult, CalibratedModel, seconds of a
+    separate FA pass: 0.0 when it rode)``; the model is left in fake-quant
+    mode."""
+    kw: dict[str, Any] = dict(
+        max_length=max_length, batch_size=batch_size, device=device, progress=progress
+    )
+    if config.criterion == "layer" and layerwise_supported(model):
+        with AttentionObserving(model, recipe, len(texts), max_length) as observing:
+            result = calibrate_linears(
+                model, tokenizer, texts, config, attention=observing, **kw
+            )
+        return result, observing.result(), 0.0
+    result = calibrate_linears(model, tokenizer, texts, config, **kw)
+    t = time.perf_counter()
+    calibrated = calibrate_model(model, tokenizer, texts, recipe=recipe, **kw)
+    return result, calibrated, time.perf_counter() - t

@@ -33,6 +33,8 @@ __all__ = [
     "AttentionPass",
     "Folding",
     "Heldout",
+    "RidingAttention",
+    "attention_on_linears",
     "fold_transforms",
     "keep_within_budget",
     "measure_heldout",
@@ -92,10 +94,77 @@ def fold_transforms(plan: CalibrationPlan, source: Source) -> Folding:
     return Folding(folded=folded)
 
 
-def quantize_linears(plan: CalibrationPlan, source: Source) -> Any:
+@dataclass(frozen=True)
+class RidingAttention:
+    """The FA pass run inside the linear pass (:class:`~.pipeline.
+    AttentionObserving`) and the KV-cache calibration (``kv_mode``, ``kv``) its
+    points feed."""
+
+    observing: Any
+    kv_mode: str | None
+    kv: Any
+
+
+def attention_on_linears(
+    plan: CalibrationPlan, source: Source, folding: Folding
+) -> RidingAttention | None:
+    """The FA observers installed to ride on the linear pass, where they see
+    there exactly what the FA pass of their own would show them (the same
+    scales, bit for bit, one forward of the whole model fewer); None where the
+    FA pass runs on its own: float linears, the clip search (batch-major),
+    transforms folded inside the pass, a resumable run (the observers of finished
+    layers are not checkpointed), the ``kl`` fallback criterion (it changes
+    layers after they ran), a model whose layers get different masks."""
+    from .layerwise import layerwise_supported
+    from .pipeline import AttentionObserving
+
+    if (
+        plan.linear_type == "FLOAT"
+        or plan.clip_search
+        or folding.in_pass is not None
+        or source.resume is not None
+        or plan.criterion != "layer"
+        or not layerwise_supported(source.net)
+    ):
+        return None
+    kv_mode, kv = _kv_calibration(plan, source)
+    observing = AttentionObserving(
+        source.net,
+        plan.recipe,
+        len(plan.calib),
+        plan.max_length,
+        wrap=kv.wrap if kv is not None else None,
+    )
+    return RidingAttention(observing, kv_mode, kv)
+
+
+def _kv_calibration(plan: CalibrationPlan, source: Source) -> tuple[str | None, Any]:
+    """``(kv_mode, KVCalibration)`` of a C8 / FP8 KV-cache target, else
+    ``(None, None)``."""
+    from ascend_fa.hf_compat import rotary_dim
+
+    from .kv import KVCalibration, recipe_settings
+
+    kv_mode = source.kv_mode(plan.target)
+    if kv_mode is None:
+        return None, None
+    kv = KVCalibration(
+        kv_mode,
+        settings=recipe_settings(plan.recipe),
+        max_tokens=len(plan.calib) * plan.max_length,
+        rotary_dim=rotary_dim(source.net.config),  # partial RoPE: only those pairs
+    )
+    return kv_mode, kv
+
+
+def quantize_linears(
+    plan: CalibrationPlan, source: Source, riding: RidingAttention | None = None
+) -> Any:
     """The linears quantized in place (scales representable in the artifact
     dtype); their :class:`~ascend_fa.linear.LinearResult`, or None for float
-    linears. A streaming run saves each changed layer and records it as done."""
+    linears. A streaming run saves each changed layer and records it as done.
+    ``riding`` (:func:`attention_on_linears`): the FA points observe in this
+    pass."""
     if plan.linear_type == "FLOAT":
         return None
     from ascend_fa.linear import LinearConfig
@@ -121,6 +190,7 @@ def quantize_linears(plan: CalibrationPlan, source: Source) -> Any:
             progress=plan.progress,
             prepare_layer=source.streamed.ensure if source.streamed else None,
             checkpoint=source.resume,
+            attention=riding.observing if riding is not None else None,
         )
 
 
@@ -160,28 +230,31 @@ class AttentionPass:
 
 
 def observe_attention(
-    plan: CalibrationPlan, source: Source, folding: Folding
+    plan: CalibrationPlan,
+    source: Source,
+    folding: Folding,
+    riding: RidingAttention | None = None,
 ) -> AttentionPass:
     """Observe ``plan.calib`` at the FA points (the clip search's batch-major
     pass, or the layer-major one: streaming reads each layer once and is
     resumable after each layer); KV-cache scales at the same points in the same
-    forwards."""
-    from ascend_fa.hf_compat import rotary_dim
-
-    from .kv import KVCalibration, recipe_settings
+    forwards. With ``riding`` the points observed inside the linear pass: only
+    their ranges are read here."""
     from .pipeline import calibrate_model
 
     net = source.net
-    kv_mode = source.kv_mode(plan.target)
-    kv = None
-    if kv_mode is not None:
-        kv = KVCalibration(
-            kv_mode,
-            settings=recipe_settings(plan.recipe),
-            max_tokens=len(plan.calib) * plan.max_length,
-            rotary_dim=rotary_dim(net.config),  # partial RoPE: only those pairs
-        )
     t0 = time.perf_counter()
+    if riding is not None:
+        calibrated = riding.observing.result()
+        return AttentionPass(
+            calibrated=calibrated,
+            scales=calibrated.export_scales(net),
+            kv_mode=riding.kv_mode,
+            kv_scales=riding.kv.scales(plan.kv_strategy) if riding.kv else None,
+            seconds=time.perf_counter() - t0,
+            fa_written=reads_fa(source.model_type, plan.target),
+        )
+    kv_mode, kv = _kv_calibration(plan, source)
     kwargs: dict[str, Any] = dict(
         recipe=plan.recipe,
         max_length=plan.max_length,

@@ -36,9 +36,11 @@ from .engine import (
     LinearCheckpoint,
     LinearConfig,
     LinearResult,
+    Propagate,
     decide_layer,
     observe_layer,
     place_layer,
+    propagate_layer,
     quantize_linears,
     swap_group,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "LinearConfig",
     "LinearGroup",
     "LinearResult",
+    "Propagate",
     "QuantizedLinear",
     "W8A8DynamicExperts",
     "W8A8DynamicLinear",
@@ -80,6 +83,7 @@ __all__ = [
     "mean_kl",
     "observe_layer",
     "place_layer",
+    "propagate_layer",
     "quantize_linears",
     "quantized_linear_names",
     "quantized_modules",
@@ -99,6 +103,7 @@ def calibrate_linears(
     keep_floats: bool = True,
     checkpoint: LinearCheckpoint | None = None,
     prepare_layer: Callable[[int], None] | None = None,
+    propagate: Propagate | None = None,
 ) -> LinearResult:
     """Rotate ``model``'s residual stream when ``config.rotate`` says so, quantize
     its linears in place on the calibration ``batches`` (layer by layer) and keep
@@ -112,7 +117,10 @@ def calibrate_linears(
     then does not grow with depth, and the result can no longer put groups back to
     float. ``checkpoint`` (criterion ``"layer"``: a resumable run) is restored
     before the first layer and saved after each one. ``prepare_layer(i)`` runs
-    before decoder layer ``i`` is calibrated (a streamed model loads it there). In
+    before decoder layer ``i`` is calibrated (a streamed model loads it there).
+    ``propagate`` (criterion ``"layer"`` only: the ``"kl"`` scan changes layers
+    after they ran) runs each finished layer on the calibration batches
+    (:data:`~.engine.Propagate`; the FA pass observes there). In
     a data-parallel run (:mod:`ascend_fa.parallel`) ``batches`` are this rank's
     share; the statistics are reduced per layer (:mod:`.parallel`) and
     ``scan_batches`` must be the same on every rank."""
@@ -139,11 +147,17 @@ def calibrate_linears(
             keep_floats=keep_floats,
             checkpoint=checkpoint,
             prepare_layer=prepare_layer,
+            propagate=propagate,
         )
         if chooser is not None:
             result.layer_error = dict(chooser.errors)
         result.rotation = rotation
         return result
+    if propagate is not None:
+        raise ValueError(
+            "calibrate_linears: propagate needs criterion 'layer' (the 'kl' scan "
+            "changes layers after their outputs went on)"
+        )
     reference = reference_logits(model, scan) if scan else []
     result = quantize_linears(
         model, batches, config, progress=progress, prepare_layer=prepare_layer

@@ -25,9 +25,11 @@ criterion), or after the loop (the whole-model KL scan).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,11 +64,13 @@ __all__ = [
     "LinearCheckpoint",
     "LinearConfig",
     "LinearResult",
+    "Propagate",
     "capture_layer_inputs",
     "FloatChooser",
     "decide_layer",
     "observe_layer",
     "place_layer",
+    "propagate_layer",
     "quantize_linears",
     "real_rows",
     "swap_group",
@@ -538,11 +542,25 @@ class LinearCheckpoint(Protocol):
         ...
 
 
-def _propagate(layer: nn.Module, inputs: list[LayerInputs]) -> None:
+def propagate_layer(
+    layer: nn.Module,
+    inputs: list[LayerInputs],
+    scope: Callable[[torch.Tensor], AbstractContextManager[Any]] | None = None,
+) -> None:
+    """Run ``layer`` on every batch of ``inputs`` and put its outputs there (the
+    next layer's inputs); ``scope(token mask)`` (if given) is entered around each
+    batch's call (e.g. the padding mask the FA points read)."""
     for i, (hidden, kwargs, mask) in enumerate(inputs):
-        out = layer(hidden, **layer_kwargs(layer, kwargs))
+        with scope(mask) if scope is not None else contextlib.nullcontext():
+            out = layer(hidden, **layer_kwargs(layer, kwargs))
         out, kwargs = layer_step(out, kwargs)
         inputs[i] = (out.detach(), kwargs, mask)
+
+
+#: ``propagate(index, layer, inputs)``: what runs decoder layer ``index`` (its
+#: groups in place) on the calibration ``inputs``, as :func:`propagate_layer` does
+#: (the FA pass observes there when it rides on the linear pass).
+Propagate = Callable[[int, nn.Module, list[LayerInputs]], None]
 
 
 @torch.no_grad()
@@ -557,6 +575,7 @@ def quantize_linears(
     keep_floats: bool = True,
     checkpoint: LinearCheckpoint | None = None,
     prepare_layer: Callable[[int], None] | None = None,
+    propagate: Propagate | None = None,
 ) -> LinearResult:
     """Quantize every planned linear of ``model`` in place, layer by layer (see the
     module doc). ``batches``: tokenized calibration batches (``input_ids``,
@@ -568,9 +587,12 @@ def quantize_linears(
     the loop puts a group back to float; memory then does not grow with depth).
     ``checkpoint`` (a resumable run) is restored before the first layer and saved
     after each one.
-    ``prepare_layer(i)`` runs before decoder layer ``i`` is calibrated. In a
-    data-parallel run ``batches`` are this rank's share (possibly none) and each
-    layer's statistics are reduced exactly (:class:`~.parallel.StatsSync`).
+    ``prepare_layer(i)`` runs before decoder layer ``i`` is calibrated.
+    ``propagate`` replaces :func:`propagate_layer` for the calibration inputs
+    (each layer's outputs once its groups are placed; the scan data always goes
+    through :func:`propagate_layer`). In a data-parallel run ``batches`` are
+    this rank's share (possibly none) and each layer's statistics are reduced
+    exactly (:class:`~.parallel.StatsSync`).
     """
     t0 = time.perf_counter()
     plans = linear_plan(model)
@@ -639,9 +661,12 @@ def quantize_linears(
             for record in layer_records:
                 record.release()
         records += layer_records
-        _propagate(layer, inputs)
+        if propagate is not None:
+            propagate(plan.index, layer, inputs)
+        else:
+            propagate_layer(layer, inputs)
         if scan:
-            _propagate(layer, scan)
+            propagate_layer(layer, scan)
         lap("propagate")
         if checkpoint is not None:
             checkpoint.save_linears(

@@ -177,7 +177,13 @@ def artifact_config(
     config's ``to_dict()``) with the transformers-4 RoPE keys."""
     if source is None:
         cfg = with_transformers4_rope(model_config)
-        for key in ("_name_or_path", "_attn_implementation_internal"):
+        # the loader's path and attention choice, and the rotation's own mark
+        # (the report records the rotation; the weights already carry it)
+        for key in (
+            "_name_or_path",
+            "_attn_implementation_internal",
+            "ascend_fa_residual_rotation",
+        ):
             cfg.pop(key, None)
         cfg["dtype"] = dtype_name(dtype)
     else:

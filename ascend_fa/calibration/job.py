@@ -175,6 +175,7 @@ def calibrate(
     linear: str | None = None,
     linear_fallback: int | str = "auto",
     linear_fallback_criterion: str = "layer",
+    rotate: str = "auto",
     streaming: bool = False,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,

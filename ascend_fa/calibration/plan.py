@@ -74,6 +74,7 @@ class CalibrationPlan:
     linear_type: str
     linear_fallback: int | str
     criterion: str
+    rotate: str
     transforms: tuple[str, ...]
     error_budget: float | None
     clip_search: bool
@@ -111,6 +112,7 @@ class CalibrationPlan:
             "linear": self.linear_type,
             "linear_fallback": self.linear_fallback,
             "criterion": self.criterion,
+            "rotate": self.rotate,
             "num_samples": self.num_samples,
             "max_length": self.max_length,
             "batch_size": self.batch_size,
@@ -211,6 +213,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
         linear_type=linear_type,
         linear_fallback=parse_fallback(args["linear_fallback"]),
         criterion=args["linear_fallback_criterion"],
+        rotate=_parsed_rotate(args["rotate"]),
         transforms=parse_transforms(args["transforms"]),
         error_budget=check_error_budget(args["error_budget"]),
         clip_search=args["clip_search"],
@@ -335,6 +338,33 @@ def check_error_budget_target(plan: CalibrationPlan) -> None:
 
 #: The checks :func:`plan_calibration` makes, in order, once every argument is
 #: parsed and before anything is read, loaded or written.
+#: ``--rotate`` values (:func:`plan_calibration`).
+ROTATE_MODES = ("auto", "on", "off")
+
+
+def _parsed_rotate(value: str) -> str:
+    if value not in ROTATE_MODES:
+        raise InputError(f"--rotate {value!r}; choose one of {', '.join(ROTATE_MODES)}")
+    return value
+
+
+def check_rotate(plan: CalibrationPlan) -> None:
+    """``--rotate on`` needs quantized linears and the whole model in memory (the
+    rotation touches the embedding, every layer and the head)."""
+    if plan.rotate != "on":
+        return
+    if plan.linear_type == "FLOAT":
+        raise InputError(
+            "--rotate on rotates the residual stream for quantized linears; this "
+            "run keeps them float (use --linear w8a8 or w8a8_dynamic)"
+        )
+    if plan.streaming:
+        raise InputError(
+            "--rotate on does not apply with --streaming (one layer in memory): "
+            "drop one of them"
+        )
+
+
 PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_output_locations,
     check_consumer_release,
@@ -345,6 +375,7 @@ PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_clip_search_processes,
     check_streaming_options,
     check_error_budget_target,
+    check_rotate,
 ]
 
 
@@ -387,6 +418,7 @@ def plan_calibration(
     linear: str | None = None,
     linear_fallback: int | str = "auto",
     linear_fallback_criterion: str = "layer",
+    rotate: str = "auto",
     streaming: bool = False,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,
@@ -401,7 +433,10 @@ def plan_calibration(
     default — W8A8 for mindie, W8A8_DYNAMIC for MLA on vllm-ascend, float
     otherwise); ``linear_fallback`` keeps that many linears float (``"auto"``: by
     an error budget); ``linear_fallback_criterion``: ``"layer"`` (layer-local, what
-    a streaming run can decide) or ``"kl"`` (whole-model logits). With
+    a streaming run can decide) or ``"kl"`` (whole-model logits). ``rotate``:
+    the residual-stream rotation before the linears (:mod:`ascend_fa.transforms.
+    residual`): ``"auto"`` (static W8A8 on a model family that takes it, not
+    streaming), ``"on"`` or ``"off"``. With
     ``merge_into`` the export's own linears are kept. ``streaming`` keeps one
     decoder layer in memory (:mod:`ascend_fa.streaming`); ``max_memory`` (bytes or
     ``"64GB"``) refuses a streaming run whose estimated peak exceeds it.

@@ -40,6 +40,7 @@ __all__ = [
     "measure_heldout",
     "observe_attention",
     "quantize_linears",
+    "rotates",
 ]
 
 
@@ -177,6 +178,7 @@ def quantize_linears(
         fallback=plan.linear_fallback,
         seed=plan.seed,
         criterion=plan.criterion,
+        rotate=rotates(plan, source),
     )
     with source.spilling():
         return calibrate_linears(
@@ -192,6 +194,24 @@ def quantize_linears(
             checkpoint=source.resume,
             attention=riding.observing if riding is not None else None,
         )
+
+
+def rotates(plan: CalibrationPlan, source: Source) -> bool:
+    """Whether the residual stream is rotated before the linears
+    (:mod:`ascend_fa.transforms.residual`): ``--rotate on``, or by default for
+    static W8A8 on a family that takes it with the whole model in memory. On
+    SmolLM2 calibrated on prose only, the rotation took code KL from 0.131 to
+    0.046 and prose KL from 0.0163 to 0.0134 (static per-tensor ranges hold
+    across domains once no outlier channel sets them)."""
+    if plan.rotate != "auto":
+        return plan.rotate == "on"
+    from ascend_fa.transforms.residual import supports_rotation
+
+    return (
+        plan.linear_type == "W8A8"
+        and source.streamed is None
+        and supports_rotation(source.net)
+    )
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "stopping at a KL budget; needs the whole model in memory)",
     )
     parser.add_argument(
+        "--rotate",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="rotate the residual stream before quantizing the linears (a seeded "
+        "Hadamard folded into the embedding, every linear and lm_head; a tied head "
+        "is untied): auto (default) for static W8A8 on llama / qwen2 / qwen3 / "
+        "mistral families when not streaming, on, or off",
+    )
+    parser.add_argument(
         "--transforms",
         default=None,
         metavar="LIST",
@@ -264,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         linear=args.linear,
         linear_fallback=args.linear_fallback,
         linear_fallback_criterion=args.linear_fallback_criterion,
+        rotate=args.rotate,
         streaming=args.streaming,
         max_memory=args.max_memory,
         transforms=args.transforms,

@@ -202,7 +202,11 @@ def _linear_overhead(
 
     del adapter  # the observers' adapter is the model's own
     dicts = [{"input_ids": b} for b in batches]
-    config = LinearConfig("W8A8", torch.bfloat16, fallback=0)
+    from ascend_fa.transforms.residual import supports_rotation
+
+    # calibrate's default: the residual stream rotated where the family takes it
+    rotate = supports_rotation(model)
+    config = LinearConfig("W8A8", torch.bfloat16, fallback=0, rotate=rotate)
     work = copy.deepcopy(model)
     t = time.perf_counter()
     calibrate_linears(work, dicts, config)

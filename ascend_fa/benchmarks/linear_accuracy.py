@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.recipe import load_recipe
     from ascend_fa.evaluation import evaluate
     from ascend_fa.linear import LinearConfig
+    from ascend_fa.transforms.residual import supports_rotation
 
     setup = accuracy_setup(args)
     length, dtype = setup.max_length, setup.dtype
@@ -111,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         "W8A8 RTN (per-tensor min/max) + FAQuant": LinearConfig.round_to_nearest(
             "W8A8", dtype
         ),
-        "W8A8 default + FAQuant": LinearConfig("W8A8", dtype, **scan),
+        # as calibrate's default: the residual stream rotated where it applies
+        "W8A8 default + FAQuant": LinearConfig(
+            "W8A8", dtype, rotate=supports_rotation(net), **scan
+        ),
         "W8A8_DYNAMIC + FAQuant": LinearConfig("W8A8_DYNAMIC", dtype, **scan),
     }
     variants = selected(variants, args.recipes)

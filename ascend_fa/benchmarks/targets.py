@@ -312,9 +312,11 @@ def _w8a8_deployment(
     from ascend_fa.calibration.pipeline import calibrate_with_linears
     from ascend_fa.calibration.recipe import load_recipe
     from ascend_fa.linear import LinearConfig
+    from ascend_fa.transforms.residual import supports_rotation
 
     quantized = copy.deepcopy(model)
-    config = LinearConfig("W8A8", torch.bfloat16)
+    # calibrate's default: the residual stream rotated where the family takes it
+    config = LinearConfig("W8A8", torch.bfloat16, rotate=supports_rotation(quantized))
     recipe = load_recipe(default_recipe_path())
     _lin, result, _t = calibrate_with_linears(
         quantized, tok, calib, config, recipe=recipe, max_length=length

@@ -4,7 +4,9 @@
 1. :func:`fold_transforms` — exact attention transforms folded into the weights
    before the linears, or (float linears, one process) inside the FA pass;
 2. :func:`quantize_linears` — the linears quantized first, so the FA / KV scales
-   are calibrated with them active (:mod:`ascend_fa.linear`);
+   are calibrated with them active (:mod:`ascend_fa.linear`); where it gives the
+   same scales the FA observers ride on this pass (:func:`attention_on_linears`)
+   and the next stage only reads them;
 3. :func:`observe_attention` — the FA points observed (FAQuant / FAKQuant scales,
    or C8 / FP8 KV-cache scales at the same points, :mod:`.kv`);
 4. :func:`keep_within_budget` — the fewest FA layers kept float that meet an error

@@ -518,7 +518,12 @@ def test_check_target_rules():
 
 @pytest.mark.parametrize(
     "target,extra",
-    [("vllm-ascend", ()), ("vllm", ()), ("mindie", ("--linear", "w8a8"))],
+    # unrotated: the point is every source bit kept (a rotation changes lm_head)
+    [
+        ("vllm-ascend", ()),
+        ("vllm", ()),
+        ("mindie", ("--linear", "w8a8", "--rotate", "off")),
+    ],
 )
 def test_fp32_research_artifact(models, data, tmp_path, capsys, target, extra):
     """``--dtype fp32`` keeps the weights exactly (float32, as calibrated) and the

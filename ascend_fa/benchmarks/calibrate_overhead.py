@@ -188,7 +188,7 @@ class _SortWindowObserver(nn.Module):
 
 
 def _linear_overhead(
-    model: nn.Module, adapter: Any, batches: list[torch.Tensor], recipe: Any
+    model: nn.Module, batches: list[torch.Tensor], recipe: Any
 ) -> dict[str, float]:
     """Seconds of the W8A8 calibration on copies of ``model``: the
     layer-sequential linear pass alone (observe, decide, propagate; no fallback
@@ -200,7 +200,6 @@ def _linear_overhead(
     from ascend_fa.calibration.pipeline import AttentionObserving
     from ascend_fa.linear import LinearConfig, calibrate_linears
 
-    del adapter  # the observers' adapter is the model's own
     dicts = [{"input_ids": b} for b in batches]
     from ascend_fa.transforms.residual import supports_rotation
 
@@ -432,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
     t_search = None
     if not args.no_search:
         t_search = _clip_search_seconds(s, ours, keepers, search_cfg)
-    linear = _linear_overhead(s.model, s.adapter, s.batches, s.packaged)
+    linear = _linear_overhead(s.model, s.batches, s.packaged)
     entries = _entries(variants, t_search, search_cfg, linear)
     _print_report(s, entries, identical)
     _write_records(args, s, entries, identical, t_search)

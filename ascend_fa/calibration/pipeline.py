@@ -324,12 +324,14 @@ class AttentionObserving:
         self.adapter, self.processors, selected = _install_observers(
             model, recipe, texts, max_length
         )
+        #: the attention modules with FA points (the points change, not these)
+        self._modules = selected
         self._stack = contextlib.ExitStack()
         if wrap is not None:
             self._stack.enter_context(swapped_points(selected, wrap))
         self._points = {
             (name, branch): point
-            for name, module in find_fa_modules(model).items()
+            for name, module in selected.items()
             for branch, point in fa_points(module)
         }
         self._stack.enter_context(float_mode(model))
@@ -345,7 +347,7 @@ class AttentionObserving:
         """Run decoder layer ``index`` on ``inputs`` with its observers in place."""
         del index  # the layer's attention modules are found under ``layer``
         inside = {id(m) for m in layer.modules()}
-        here = {n: m for n, m in find_fa_modules(self.model).items() if id(m) in inside}
+        here = {n: m for n, m in self._modules.items() if id(m) in inside}
         with swapped_points(here, lambda n, b, _p: self._points[(n, b)]):
             propagate_layer(
                 layer, inputs, scope=lambda mask: token_mask_scope(self.model, mask)

@@ -99,6 +99,56 @@ def test_dynamic_and_round_to_nearest_configs():
     )
 
 
+def test_headroom_widens_only_the_down_proj_ranges():
+    """The default config gives each ``down_proj`` (an MLP's gated product) a
+    headroom >= 1 on its searched static range and the other groups none; the
+    placed module quantizes with the widened range, and the report says so."""
+    from ascend_fa.linear.modules import activation_qparams
+
+    tok = byte_tokenizer()
+    model = tiny_llama(num_hidden_layers=2)
+    result = _run(model, tok)
+    mods = quantized_modules(model)
+    kinds = set()
+    for r in result.records:
+        kinds.add(r.group.kind)
+        h = r.decision.headroom
+        assert (h >= 1.0) if r.group.kind == "down" else (h == 1.0), r.group.name
+        assert r.to_dict()["headroom"] == h
+        scale, offset = activation_qparams(r.decision.lo, r.decision.hi, torch.bfloat16)
+        for name in r.group.linears:
+            assert float(mods[name].input_scale) == pytest.approx(scale, rel=1e-6)
+            assert int(mods[name].input_offset) == offset
+    assert {"down", "qkv", "o", "gate_up"} <= kinds
+    plain = _run(tiny_llama(num_hidden_layers=2), tok, headroom_doublings=0.0)
+    assert all(r.decision.headroom == 1.0 for r in plain.records)
+    # layer 0 sees the same inputs in both runs (later layers see layer 0's
+    # quantized outputs, which the headroom changes)
+    checked = 0
+    for a, b in zip(result.records, plain.records, strict=True):
+        if a.group.kind == "down" and ".layers.0." in a.group.name:
+            checked += 1
+            assert a.decision.headroom > 1.0
+            assert (a.decision.alpha, a.decision.clip) == (
+                b.decision.alpha,
+                b.decision.clip,
+            )
+            assert a.decision.hi == pytest.approx(
+                a.decision.headroom * b.decision.hi, rel=1e-6
+            )
+    assert checked == 1
+    rtn = LinearConfig.round_to_nearest("W8A8", torch.bfloat16)
+    assert rtn.headroom_doublings == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1.0, True, "2", float("nan"), 11.0])
+def test_linear_config_refuses_bad_headroom_doublings(bad):
+    from ascend_fa.errors import InputError
+
+    with pytest.raises(InputError, match="headroom_doublings"):
+        LinearConfig("W8A8", torch.bfloat16, headroom_doublings=bad)
+
+
 def test_kl_fallback_keeps_whole_groups_float():
     tok = byte_tokenizer()
     model = tiny_llama()

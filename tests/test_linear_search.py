@@ -211,3 +211,86 @@ def test_folds_fit_on_every_row_of_their_batches():
     bad = InputStats(6)
     with pytest.raises(ValueError, match="2 row sets but 1 bounds"):
         bad.adopt(st.parts[:2], st.cmin, st.cmax, 10, st.bounds[:1])
+
+
+def _naive_growth(batches, s):
+    """Fold extremes from the raw batches (even / odd updates), per side."""
+    ext = []
+    for k in (0, 1):
+        rows = torch.cat(batches[k::2]) / s
+        ext.append((-float(rows.min()), float(rows.max())))
+    growth = 1.0
+    for side in (0, 1):
+        a, b = ext[0][side], ext[1][side]
+        if a > 0 and b > 0:
+            growth = max(growth, max(a, b) / min(a, b))
+    return growth
+
+
+@pytest.mark.parametrize("folds", [4, 1], ids=["held_out", "in_sample"])
+def test_headroom_widens_the_searched_static_range_only(folds):
+    """``doublings`` widens the searched static range by the fold growth to that
+    power and changes nothing else: the same α and clip as without it, the
+    headroom that of the raw batches' fold extremes (recomputed here), ``[lo,
+    hi]`` exactly that times the searched range, the sample error that of the
+    widened range. One update: no folds, no growth, no headroom. W8A8_DYNAMIC has
+    no range and ignores it."""
+    gen = torch.Generator().manual_seed(5)
+    k = 24
+    w = torch.randn(16, k, generator=gen)
+    batches = [_rows(gen, 40, k, loud=3 + i, size=4.0 + 3 * i) for i in range(4)]
+    if folds == 1:
+        batches = [torch.cat(batches)]
+
+    def decide(**kw):
+        return decide_group(
+            w, _stats(batches), dtype=DT, alphas=ALPHAS, clips=CLIPS, **kw
+        )
+
+    plain, wide = decide(dynamic=False), decide(dynamic=False, doublings=2.0)
+    assert (wide.alpha, wide.clip) == (plain.alpha, plain.clip)
+    s = torch.ones(k) if wide.smooth is None else wide.smooth
+    growth = _naive_growth(batches, s) if folds > 1 else 1.0
+    assert plain.headroom == 1.0
+    assert wide.headroom == pytest.approx(growth**2, rel=1e-6)
+    if folds > 1:
+        assert wide.headroom > 1.2  # the loud later batches: a real growth
+    st = _stats(batches)
+    lo = wide.headroom * plain.clip * float((st.cmin / s).min())
+    hi = wide.headroom * plain.clip * float((st.cmax / s).max())
+    assert wide.lo == pytest.approx(lo, rel=1e-6)
+    assert wide.hi == pytest.approx(hi, rel=1e-6)
+    if folds > 1:
+        assert wide.rel_error != plain.rel_error
+    dyn = [decide(dynamic=True, doublings=d) for d in (0.0, 2.0)]
+    assert dyn[1].headroom == 1.0
+    assert (dyn[0].alpha, dyn[0].lo, dyn[0].hi) == (dyn[1].alpha, dyn[1].lo, dyn[1].hi)
+
+
+def test_fold_growth_is_the_larger_folds_extreme_over_the_smaller():
+    """A fold whose maximum is 3x the other's grows 3x; a side where a fold has
+    no value of that sign (all positive inputs: no minimum below 0) is skipped;
+    one update has no growth."""
+    from ascend_fa.linear.search import fold_growth
+
+    quiet = torch.tensor([[1.0, 0.5], [0.2, 0.1]])
+    loud = torch.tensor([[3.0, 0.5], [0.2, 0.1]])
+    st = _stats([quiet, loud, quiet])
+    assert fold_growth(st.bounds, None) == pytest.approx(3.0)
+    assert fold_growth(st.bounds, torch.tensor([1.0, 1.0])) == pytest.approx(3.0)
+    # smoothing divides the channels first: channel 0 / 10 leaves channel 1's
+    # extremes (0.5 and 0.5) as the maximum of both folds
+    assert fold_growth(st.bounds, torch.tensor([10.0, 1.0])) == pytest.approx(1.0)
+    assert fold_growth(_stats([loud]).bounds, None) == 1.0
+    neg = _stats([-quiet, -loud])
+    assert fold_growth(neg.bounds, None) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), 11.0])
+def test_bad_doublings_are_refused(bad):
+    w = torch.randn(4, 8)
+    st = _stats([torch.randn(16, 8), torch.randn(16, 8)])
+    with pytest.raises(ValueError, match="doublings"):
+        decide_group(
+            w, st, dynamic=False, dtype=DT, alphas=(None,), clips=(1.0,), doublings=bad
+        )

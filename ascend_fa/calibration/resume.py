@@ -163,7 +163,13 @@ def _record_from_dict(group: Any, d: dict[str, Any]) -> Any:
     if d["range"] is not None:
         lo, hi = d["range"]
         decision = GroupDecision(
-            d["alpha"], None, d["clip"], lo, hi, d["sample_rel_error"]
+            d["alpha"],
+            None,
+            d["clip"],
+            lo,
+            hi,
+            d["sample_rel_error"],
+            d.get("headroom") or 1.0,
         )
     return GroupRecord(
         group,

@@ -57,6 +57,7 @@ from .typed_inputs import (
 __all__ = [
     "DEFAULT_ALPHAS",
     "DEFAULT_CLIPS",
+    "DEFAULT_HEADROOM_DOUBLINGS",
     "FALLBACK_CRITERIA",
     "GroupRecord",
     "LINEAR_MODES",
@@ -106,6 +107,9 @@ DEFAULT_CLIPS: tuple[float, ...] = (
     2.0,
     3.0,
 )
+#: A ``down_proj``'s static range times its fold growth to this power: the range
+#: extrapolated to 4x the calibration data (:mod:`~ascend_fa.linear.search`).
+DEFAULT_HEADROOM_DOUBLINGS = 2.0
 #: How the fallback ranks groups: ``layer`` by each group's share of its decoder
 #: layer's output error (layer-local: a streaming run can decide it), ``kl`` by a
 #: KL scan of whole-model logits (needs the whole model in memory).
@@ -144,8 +148,10 @@ class LinearConfig:
     ``scan_samples`` / ``scan_tokens`` size the scan data; ``scan_candidates``
     groups (those with the largest sample output error; 0 = all) are KL-scanned;
     ``rotate`` rotates the residual stream before quantizing
-    (:mod:`ascend_fa.transforms.residual`, seeded by ``seed``; opt-in: its measured
-    gain is small, see the module doc of the rotation).
+    (:mod:`ascend_fa.transforms.residual`, seeded by ``seed``; off here,
+    ``calibrate --rotate auto`` turns it on for static W8A8 where the family takes
+    it); ``headroom_doublings``: the static range of an MLP's gated product
+    (``down_proj``) times its fold growth to this power (0: none).
     """
 
     quant_type: str = "W8A8"
@@ -167,6 +173,7 @@ class LinearConfig:
     # prose / code); 0.001 spends the 10 % cap (held-out KL 0.116 / 0.188).
     layer_budget: float = 0.001
     rotate: bool = False
+    headroom_doublings: float = DEFAULT_HEADROOM_DOUBLINGS
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -188,6 +195,12 @@ class LinearConfig:
             )
         if not self.alphas or not self.clips:
             raise InputError("linear search grids must not be empty")
+        h = self.headroom_doublings
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 10:
+            raise InputError(
+                "linear range headroom_doublings must be a number in [0, 10], got "
+                f"{h!r}"
+            )
         if self.criterion not in FALLBACK_CRITERIA:
             raise InputError(
                 f"--linear-fallback-criterion {self.criterion!r}; choose one of "
@@ -197,9 +210,15 @@ class LinearConfig:
     @classmethod
     def round_to_nearest(cls, quant_type: str, dtype: torch.dtype) -> LinearConfig:
         """The baseline: min/max per-tensor ranges, no smoothing, no fallback, no
-        rotation."""
+        rotation, no headroom."""
         return cls(
-            quant_type, dtype, alphas=(None,), clips=(1.0,), fallback=0, rotate=False
+            quant_type,
+            dtype,
+            alphas=(None,),
+            clips=(1.0,),
+            fallback=0,
+            rotate=False,
+            headroom_doublings=0.0,
         )
 
 
@@ -226,6 +245,7 @@ class GroupRecord:
             "reason": self.reason,
             "alpha": None if d is None else d.alpha,
             "clip": None if d is None else d.clip,
+            "headroom": None if d is None else d.headroom,
             "range": None if d is None else [d.lo, d.hi],
             "sample_rel_error": None if d is None else d.rel_error,
             "kl_gain": self.kl_gain,
@@ -461,6 +481,7 @@ def decide_layer(
             clips=config.clips,
             tie=group.tie,
             head_dim=group.head_dim,
+            doublings=config.headroom_doublings if group.gated_input else 0.0,
         )
         if decision.smooth is not None:
             _apply_smoothing(model, group, decision.smooth, config.dtype)

@@ -71,6 +71,7 @@ from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
 __all__ = [
+    "GATED_KINDS",
     "GQA_MODEL_TYPES",
     "LayerPlan",
     "LinearGroup",
@@ -80,6 +81,9 @@ __all__ = [
 
 #: The model types whose family (:mod:`ascend_fa.families`) takes the GQA plan.
 GQA_MODEL_TYPES = model_types(linear_plan="gqa")
+#: Group kinds whose input is an MLP's gated product (see
+#: :attr:`LinearGroup.gated_input`).
+GATED_KINDS = ("down", "shared_down")
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,13 @@ class LinearGroup:
     @property
     def smoothable(self) -> bool:
         return self.norm is not None or self.fold is not None
+
+    @property
+    def gated_input(self) -> bool:
+        """Whether the group reads an MLP's gated product ``act(gate) * up`` (a
+        ``down_proj``): a product of two projections, off the residual stream,
+        whose static range gets ``LinearConfig.headroom``."""
+        return self.kind in GATED_KINDS
 
     @property
     def size(self) -> int:

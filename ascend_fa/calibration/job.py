@@ -176,6 +176,7 @@ def calibrate(
     linear_fallback: int | str = "auto",
     linear_fallback_criterion: str = "layer",
     rotate: str = "auto",
+    linear_headroom: float | str | None = None,
     streaming: bool = False,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,

@@ -75,6 +75,7 @@ class CalibrationPlan:
     linear_fallback: int | str
     criterion: str
     rotate: str
+    linear_headroom: float | None
     transforms: tuple[str, ...]
     error_budget: float | None
     clip_search: bool
@@ -113,6 +114,7 @@ class CalibrationPlan:
             "linear_fallback": self.linear_fallback,
             "criterion": self.criterion,
             "rotate": self.rotate,
+            "linear_headroom": self.linear_headroom,
             "num_samples": self.num_samples,
             "max_length": self.max_length,
             "batch_size": self.batch_size,
@@ -139,6 +141,8 @@ class CalibrationPlan:
             extras.append(f"transforms {','.join(self.transforms)}")
         if self.error_budget is not None:
             extras.append(f"error budget KL {self.error_budget:g}")
+        if self.linear_headroom is not None:
+            extras.append(f"linear headroom {self.linear_headroom:g} doublings")
         return [
             f"model: {self.model if self.model is not None else 'default demo model'}",
             f"target: {self.target} ({dtype_name(self.dtype)} weights"
@@ -214,6 +218,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
         linear_fallback=parse_fallback(args["linear_fallback"]),
         criterion=args["linear_fallback_criterion"],
         rotate=_parsed_rotate(args["rotate"]),
+        linear_headroom=_parsed_headroom(args["linear_headroom"]),
         transforms=parse_transforms(args["transforms"]),
         error_budget=check_error_budget(args["error_budget"]),
         clip_search=args["clip_search"],
@@ -336,8 +341,6 @@ def check_error_budget_target(plan: CalibrationPlan) -> None:
         )
 
 
-#: The checks :func:`plan_calibration` makes, in order, once every argument is
-#: parsed and before anything is read, loaded or written.
 #: ``--rotate`` values (:func:`plan_calibration`).
 ROTATE_MODES = ("auto", "on", "off")
 
@@ -365,6 +368,33 @@ def check_rotate(plan: CalibrationPlan) -> None:
         )
 
 
+def _parsed_headroom(value: float | str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        doublings = float(value)
+    except (TypeError, ValueError):
+        doublings = float("nan")
+    if isinstance(value, bool) or not 0.0 <= doublings <= 10.0:
+        raise InputError(
+            f"--linear-headroom {value!r}: a number of doublings in [0, 10] (0: no "
+            "headroom)"
+        )
+    return doublings
+
+
+def check_headroom(plan: CalibrationPlan) -> None:
+    """``--linear-headroom`` sizes static W8A8 ranges: refused where no linear is
+    static W8A8 (it would change nothing)."""
+    if plan.linear_headroom is not None and plan.linear_type != "W8A8":
+        raise InputError(
+            "--linear-headroom widens static W8A8 ranges; this run's linears are "
+            f"{plan.linear_type} (use --linear w8a8 or drop it)"
+        )
+
+
+#: The checks :func:`plan_calibration` makes, in order, once every argument is
+#: parsed and before anything is read, loaded or written.
 PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_output_locations,
     check_consumer_release,
@@ -376,6 +406,7 @@ PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_streaming_options,
     check_error_budget_target,
     check_rotate,
+    check_headroom,
 ]
 
 
@@ -419,6 +450,7 @@ def plan_calibration(
     linear_fallback: int | str = "auto",
     linear_fallback_criterion: str = "layer",
     rotate: str = "auto",
+    linear_headroom: float | str | None = None,
     streaming: bool = False,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,
@@ -436,7 +468,10 @@ def plan_calibration(
     a streaming run can decide) or ``"kl"`` (whole-model logits). ``rotate``:
     the residual-stream rotation before the linears (:mod:`ascend_fa.transforms.
     residual`): ``"auto"`` (static W8A8 on a model family that takes it, not
-    streaming), ``"on"`` or ``"off"``. With
+    streaming), ``"on"`` or ``"off"``. ``linear_headroom``: the doublings of
+    a static ``down_proj`` range's headroom (None: the default,
+    :data:`~ascend_fa.linear.DEFAULT_HEADROOM_DOUBLINGS`; 0: none;
+    static W8A8 only). With
     ``merge_into`` the export's own linears are kept. ``streaming`` keeps one
     decoder layer in memory (:mod:`ascend_fa.streaming`); ``max_memory`` (bytes or
     ``"64GB"``) refuses a streaming run whose estimated peak exceeds it.

@@ -181,6 +181,11 @@ def quantize_linears(
         seed=plan.seed,
         criterion=plan.criterion,
         rotate=rotates(plan, source),
+        **(
+            {}
+            if plan.linear_headroom is None
+            else {"headroom_doublings": plan.linear_headroom}
+        ),
     )
     with source.spilling():
         return calibrate_linears(

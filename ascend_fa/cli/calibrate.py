@@ -191,6 +191,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mistral families when not streaming, on, or off",
     )
     parser.add_argument(
+        "--linear-headroom",
+        default=None,
+        metavar="D",
+        help="static W8A8: each down_proj range times its measured growth (from "
+        "one calibration fold to both) to the power D, i.e. extrapolated to 2^D "
+        "times the calibration data; default 2, 0 for none (when the calibration "
+        "set is exactly what will be served)",
+    )
+    parser.add_argument(
         "--transforms",
         default=None,
         metavar="LIST",
@@ -274,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         linear_fallback=args.linear_fallback,
         linear_fallback_criterion=args.linear_fallback_criterion,
         rotate=args.rotate,
+        linear_headroom=args.linear_headroom,
         streaming=args.streaming,
         max_memory=args.max_memory,
         transforms=args.transforms,

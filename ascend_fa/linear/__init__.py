@@ -30,6 +30,7 @@ from torch import nn
 from ascend_fa.transforms.residual import rotate_residual
 
 from .engine import (
+    DEFAULT_HEADROOM_DOUBLINGS,
     FALLBACK_CRITERIA,
     LINEAR_MODES,
     GroupRecord,
@@ -58,6 +59,7 @@ from .modules import QUANT_TYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .plan import LayerPlan, LinearGroup, linear_plan
 
 __all__ = [
+    "DEFAULT_HEADROOM_DOUBLINGS",
     "FALLBACK_CRITERIA",
     "LINEAR_MODES",
     "LayerFallback",

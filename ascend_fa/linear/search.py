@@ -46,7 +46,9 @@ extremes of the smoothed input grow from one fold to both, i.e. when the data
 doubles, raised to ``doublings`` (the number of further doublings the range is
 extrapolated to). Heavy-tailed inputs, whose extremes keep growing with more data,
 get more room; inputs whose extremes the calibration set has already found get
-little. The searched ``clip`` is reported as chosen; ``headroom``, ``lo`` / ``hi``
+little. With 2 doublings (the default): code KL 0.0343 after the prose-only
+calibration, prose 0.0155 after the all-domain one (README, "Across domains").
+The searched ``clip`` is reported as chosen; ``headroom``, ``lo`` / ``hi``
 and ``rel_error`` are the widened range's. The caller chooses which groups
 (``LinearConfig.headroom_doublings`` for those that read an MLP's gated product).
 

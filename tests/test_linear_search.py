@@ -294,3 +294,24 @@ def test_bad_doublings_are_refused(bad):
         decide_group(
             w, st, dynamic=False, dtype=DT, alphas=(None,), clips=(1.0,), doublings=bad
         )
+
+
+def test_headroom_is_capped():
+    """A fold whose extremes are a third of the other's grows 3x: two doublings
+    would widen 9x, the cap keeps MAX_HEADROOM (and the range follows it)."""
+    from ascend_fa.linear.search import MAX_HEADROOM
+
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(4, 8, generator=gen)
+    quiet = torch.randn(32, 8, generator=gen).clamp(-1, 1)
+    loud = 3.0 * quiet
+    st = _stats([quiet, loud])
+    one = decide_group(
+        w, st, dynamic=False, dtype=DT, alphas=(None,), clips=(1.0,), doublings=1.0
+    )
+    assert one.headroom == pytest.approx(3.0)
+    two = decide_group(
+        w, st, dynamic=False, dtype=DT, alphas=(None,), clips=(1.0,), doublings=2.0
+    )
+    assert two.headroom == MAX_HEADROOM == 4.0
+    assert two.hi == pytest.approx(MAX_HEADROOM * float(st.cmax.max()), rel=1e-6)

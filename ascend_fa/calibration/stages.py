@@ -170,7 +170,7 @@ def quantize_linears(
     pass."""
     if plan.linear_type == "FLOAT":
         return None
-    from ascend_fa.linear import LinearConfig
+    from ascend_fa.linear import DEFAULT_HEADROOM_DOUBLINGS, LinearConfig
 
     from .pipeline import calibrate_linears
 
@@ -181,10 +181,10 @@ def quantize_linears(
         seed=plan.seed,
         criterion=plan.criterion,
         rotate=rotates(plan, source),
-        **(
-            {}
+        headroom_doublings=(
+            DEFAULT_HEADROOM_DOUBLINGS
             if plan.linear_headroom is None
-            else {"headroom_doublings": plan.linear_headroom}
+            else plan.linear_headroom
         ),
     )
     with source.spilling():

@@ -369,15 +369,18 @@ def check_rotate(plan: CalibrationPlan) -> None:
 
 
 def _parsed_headroom(value: float | str | None) -> float | None:
+    from ascend_fa.linear.search import MAX_DOUBLINGS
+
     if value is None:
         return None
     try:
         doublings = float(value)
     except (TypeError, ValueError):
         doublings = float("nan")
-    if isinstance(value, bool) or not 0.0 <= doublings <= 10.0:
+    if isinstance(value, bool) or not 0.0 <= doublings <= MAX_DOUBLINGS:
         raise InputError(
-            f"--linear-headroom {value!r}: a number of doublings in [0, 10] (0: no "
+            f"--linear-headroom {value!r}: a number of doublings in "
+            f"[0, {MAX_DOUBLINGS:g}] (0: no "
             "headroom)"
         )
     return doublings

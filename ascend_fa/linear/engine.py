@@ -45,7 +45,7 @@ from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Li
 from .norms import fold_into_norm
 from .parallel import StatsSync
 from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
-from .search import GroupDecision, InputStats, decide_group
+from .search import MAX_DOUBLINGS, GroupDecision, InputStats, decide_group
 from .stack import layer_step
 from .typed_inputs import (
     LayerInputs,
@@ -196,10 +196,10 @@ class LinearConfig:
         if not self.alphas or not self.clips:
             raise InputError("linear search grids must not be empty")
         h = self.headroom_doublings
-        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 10:
+        number = isinstance(h, (int, float)) and not isinstance(h, bool)
+        if not number or not 0 <= h <= MAX_DOUBLINGS:
             raise InputError(
-                "linear range headroom_doublings must be a number in [0, 10], got "
-                f"{h!r}"
+                f"linear headroom_doublings must be in [0, {MAX_DOUBLINGS:g}]: {h!r}"
             )
         if self.criterion not in FALLBACK_CRITERIA:
             raise InputError(

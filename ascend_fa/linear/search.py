@@ -77,6 +77,7 @@ from ascend_fa.atb_ops.linear import dynamic_quant, int_gemm_float
 from .modules import activation_qparams, quantize_weight
 
 __all__ = [
+    "MAX_DOUBLINGS",
     "MAX_HEADROOM",
     "GroupDecision",
     "InputStats",
@@ -277,9 +278,9 @@ def decide_group(
     """Choose smoothing and range for the group whose stacked float weights are
     ``weight`` ``[N, K]`` (see the module doc); a static range then gets the
     headroom ``fold_growth ** doublings``."""
-    if not 0.0 <= doublings <= _MAX_DOUBLINGS:
+    if not 0.0 <= doublings <= MAX_DOUBLINGS:
         raise ValueError(
-            f"decide_group: doublings must be in [0, {_MAX_DOUBLINGS}], got {doublings}"
+            f"decide_group: doublings must be in [0, {MAX_DOUBLINGS}], got {doublings}"
         )
     exponent = 0.0 if dynamic else float(doublings)
     x = stats.sample()
@@ -359,7 +360,7 @@ def decide_group(
 
 
 #: Most doublings a range is extrapolated to (a bound on the headroom's exponent).
-_MAX_DOUBLINGS = 10.0
+MAX_DOUBLINGS = 10.0
 #: Most a range is widened: a fold whose extremes happen to be tiny (few tokens,
 #: one odd batch) must not blow the range up until every code rounds to the
 #: offset. SmolLM2's ``down_proj`` headrooms at 2 doublings: at most 1.88 / 2.25 /

@@ -113,7 +113,12 @@ GQA = AttentionKind(
 
 #: GQA attention with a MoE MLP: as :data:`GQA`, without the residual rotation
 #: (it rotates dense ``gate/up/down_proj`` only, not fused experts and routers).
-GQA_MOE = replace(GQA, residual_rotation=False)
+#: MindIE 3.0.0's MoE models build no FA3 (Ascend/MindIE-LLM @8b4871ad: no
+#: ``enableFA3`` in ``atb_llm/models/{qwen2_moe,glm4_moe,mixtral}``, qwen3_moe
+#: routes to qwen2_moe; MiniMax-M2 has no model; the table with its citations is
+#: :mod:`ascend_fa.artifact.mindie_models`): ``--target mindie`` writes their
+#: quantized linears only.
+GQA_MOE = replace(GQA, residual_rotation=False, fa_targets=("vllm-ascend",))
 
 MLA = AttentionKind(
     name="mla",

@@ -39,6 +39,7 @@ from ascend_fa.artifact.releases import (
 from ascend_fa.calibration import FA3FakeQuant, FA3QuantPlaceHolder
 from ascend_fa.calibration.job import calibrate
 from ascend_fa.cli import main
+from ascend_fa.errors import UnsupportedError
 from ascend_fa.families import MLA_DSA, attention_kind, is_mla
 from ascend_fa.linear import linear_plan
 from ascend_fa.linear.engine import _apply_smoothing
@@ -293,7 +294,7 @@ def test_release_rules(model_type, caplog):
             assert fak and "fakquant.sfa" in fak[0] and "sfa_v1.py" in fak[0]
             assert not lin and not notes
         elif glm:
-            assert not fak and not lin and "mindie.no-glm-dsa" in notes[0]
+            assert not fak and not lin and "mindie.no-model" in notes[0]
         else:
             assert "mindie.fakquant-dsa" in fak[0] and not lin and not notes
     assert not release_findings(
@@ -303,7 +304,7 @@ def test_release_rules(model_type, caplog):
     assert check_release("vllm-ascend", None, config=cfg) == "vllm-ascend"
     with caplog.at_level("WARNING"):
         assert check_release("mindie", None, config=cfg) == "mindie"
-    assert ("mindie.no-glm-dsa" in caplog.text) == glm
+    assert ("mindie.no-model" in caplog.text) == glm
 
 
 # -- calibrate -> inspect -> eval ------------------------------------------------
@@ -330,10 +331,15 @@ def _linears_only(out, model_type, quant_type):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_mindie_default_and_eval(tmp_path, capsys, model_type):
     """Default linears for MindIE: static W8A8 attention, the experts per token,
-    no FA scales; >= 90 % of the linear weight elements int8; inspect accepts it
-    (glm_moe_dsa with the no-model note); eval runs its linears."""
+    no FA scales; >= 90 % of the linear weight elements int8; inspect accepts it;
+    eval runs its linears. glm_moe_dsa has no MindIE model: refused."""
     src = save(tmp_path, model_type)
     out = tmp_path / "mindie"
+    if model_type == "glm_moe_dsa":  # no MindIE model: refused before any work
+        with pytest.raises(UnsupportedError, match="unsupported model type"):
+            _run(src, out, tmp_path, target="mindie")
+        assert not out.exists()
+        return
     res = _run(src, out, tmp_path, target="mindie")
     _linears_only(out, model_type, "W8A8")
     desc = _desc(out)
@@ -346,7 +352,7 @@ def test_mindie_default_and_eval(tmp_path, capsys, model_type):
     report = inspect_artifact(out, target="mindie")
     assert report["valid"], report["findings"]
     notes = " ".join(report.get("notes", []))
-    assert ("mindie.no-glm-dsa" in notes) == (model_type == "glm_moe_dsa")
+    assert not notes
     capsys.readouterr()
     js = tmp_path / "eval.json"
     args = ["eval", "--model", str(src), "--artifact", str(out), "--window", "24"]

@@ -4,12 +4,13 @@ that scale by ``1 + weight`` and sandwich norms around each block.
 A tiny random Gemma 3 (4 layers: sliding, full, sliding, full; ``sliding_window``
 8 so that 32-token calibration samples differ between the two types; random norm
 weights so that ``1 + w`` is not 1) goes through every path: ``calibrate`` for
-mindie (default W8A8 linears) and vllm, ``inspect``, ``eval``, ``emulate``,
-``--streaming``, and a data-parallel run (slow); vllm-ascend C8 is refused on every
-release, naming it. Smoothing folded into the ``1 + w`` norms (and qk-smoothing
-into ``q_norm`` / ``k_norm``) leaves the float model's logits unchanged within an
-fp32 budget, and the layer-sequential linear calibration runs each layer with its
-own type's mask and RoPE table.
+vllm, and the mindie layout (default W8A8 linears) as a research run (``--dtype
+fp32``: MindIE 3.0.0 has no Gemma 3 model, a deployable mindie run is refused),
+``inspect``, ``eval``, ``emulate``, ``--streaming``, and a data-parallel run (slow);
+vllm-ascend C8 is refused on every release, naming it. Smoothing folded into the
+``1 + w`` norms (and qk-smoothing into ``q_norm`` / ``k_norm``) leaves the float
+model's logits unchanged within an fp32 budget, and the layer-sequential linear
+calibration runs each layer with its own type's mask and RoPE table.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ GEMMA = dict(
 ATTN = [f"model.layers.{i}.self_attn" for i in range(4)]
 CAL = ["--num-samples", "4", "--max-length", "32", "--batch-size", "2"]
 CAL += ["--heldout", "1", "--no-report", "-q"]
+#: MindIE has no Gemma 3 model: the mindie layout is written by a research run
+RESEARCH = [*CAL, "--dtype", "fp32"]
 #: fp32 budget of a smoothing fold: each folded weight and factor is rounded once to
 #: fp32 (relative 2**-24) and the 4-layer forward re-associates nothing else.
 FOLD_RTOL = 1e-5
@@ -88,8 +91,11 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def mindie(src, tmp_path_factory) -> Path:
+    """The mindie layout as a research run (``--dtype fp32``): MindIE 3.0.0 has no
+    Gemma 3 model, so a deployable ``--target mindie`` run is refused."""
     out = tmp_path_factory.mktemp("gemma3_mindie") / "out"
-    assert main(["calibrate", "--model", str(src), *CAL, "--output", str(out)]) == 0
+    args = ["calibrate", "--model", str(src), *RESEARCH, "--output", str(out)]
+    assert main(args) == 0
     return out
 
 
@@ -227,12 +233,17 @@ def test_each_layer_runs_with_its_types_mask_and_rope():
 # -- calibrate / inspect / eval / emulate -------------------------------------------
 
 
-def test_mindie_default_linears_and_fa_on_every_layer(mindie):
+def test_mindie_refused_and_the_research_run_has_fa_on_every_layer(
+    src, mindie, tmp_path, capsys
+):
+    out = tmp_path / "deploy"
+    assert main(["calibrate", "--model", str(src), *CAL, "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "gemma3_text" in err and not out.exists()
     result = inspect_artifact(mindie, target="mindie")
-    assert result["valid"], result["findings"]
-    # MindIE 3.0.0 has no Gemma 3 model: a note with its citation, not a finding
-    assert any("[mindie.no-model]" in n for n in result["notes"])
-    assert main(["inspect", str(mindie), "--target", "mindie"]) == 0
+    # MindIE 3.0.0 has no Gemma 3 model: a finding with its citation
+    assert any("has no model for it" in f for f in result["findings"])
+    assert main(["inspect", str(mindie), "--target", "mindie"]) == 1
     desc = json.loads((mindie / DESCRIPTION_FILE).read_text())
     assert desc["fa_quant_type"] == "FAQuant" and desc["model_quant_type"] == "W8A8"
     fa = sorted({k.rsplit(".", 2)[0] for k in desc if ".fa_" in k})
@@ -312,7 +323,8 @@ def test_eval_round_trip(src, mindie, tmp_path):
 
 def test_streaming_equals_the_whole_model(src, mindie, tmp_path):
     out = tmp_path / "stream"
-    args = ["calibrate", "--model", str(src), *CAL, "--streaming", "--output", str(out)]
+    args = ["calibrate", "--model", str(src), *RESEARCH, "--streaming"]
+    args += ["--output", str(out)]
     assert main(args) == 0
     name = "quant_model_weights.safetensors"
     with (
@@ -367,7 +379,9 @@ def test_torchrun_equals_one_process(src, mindie, tmp_path):
 
     # the reference ran with this process's threads; the split changes no bit
     many = tmp_path / "many"
-    run = _torchrun(2, ["calibrate", "--model", str(src), *CAL, "--output", str(many)])
+    run = _torchrun(
+        2, ["calibrate", "--model", str(src), *RESEARCH, "--output", str(many)]
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "data-parallel calibration: 2 ranks (gloo)" in run.stdout
     assert_same_artifact(mindie, many, 2)

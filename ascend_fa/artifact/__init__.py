@@ -47,6 +47,12 @@ from .format import (
 from .inspect import inspect_artifact, natural_key, scale_findings
 from .lazy import LazyTensors, TensorSpec, write_safetensors
 from .merge import check_merge_export
+from .mindie_models import (
+    MINDIE_MODELS,
+    mindie_model,
+    mindie_refusal,
+    shared_in_model_type,
+)
 from .model_files import (
     artifact_config,
     copy_model_files,
@@ -151,6 +157,10 @@ __all__ = [
     "DEFAULT_RELEASE",
     "RELEASES",
     "check_release",
+    "MINDIE_MODELS",
+    "mindie_model",
+    "mindie_refusal",
+    "shared_in_model_type",
     "resolve_release",
     "is_meta_key",
     "merge_into",

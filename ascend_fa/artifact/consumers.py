@@ -21,7 +21,11 @@ all targets     ``config.json`` present with ``torch_dtype`` float16 /
 mindie          description present; ``model_quant_type.lower()`` in
                 MindIE's ``QUANTIZE_DESC_REQUIRED_LIST`` (never ``float``);
                 ``fa_quant_type`` FAQuant / FAKQuant (``config.py``
-                ``__check_fa_quant_type``); no C8 with FA (msModelSlim)
+                ``__check_fa_quant_type``); no C8 with FA (msModelSlim);
+                per family (:mod:`.mindie_models`): a MindIE model exists,
+                FA only where it builds FA3, config.json ``quantize`` where
+                the router reads no description, experts in the type they
+                load under, the config keys its config class requires
 mindie,         no ``quantization_config`` in ``config.json`` (vLLM
 vllm-ascend     ``get_quant_config``; msModelSlim removes it); every linear
                 weight described (vllm-ascend ``get_linear_quant_type``
@@ -61,6 +65,7 @@ from .format import (
     is_meta_key,
     mixed_moe_linears,
 )
+from .mindie_models import mindie_findings
 from .model_files import rope_findings
 
 __all__ = [
@@ -220,6 +225,8 @@ def _linears(v: ArtifactView, attn: str) -> list[str]:
 
 def _mindie(v: ArtifactView, attns: list[str], out: list[str]) -> None:
     desc = v.desc or {}
+    # per family: MindIE's model, its FA3, its quantize source and expert types
+    out.extend(mindie_findings(v.config, v.desc))
     mqt = desc.get("model_quant_type")
     if not isinstance(mqt, str) or mqt.lower() not in MINDIE_QUANTIZE:
         out.append(

@@ -3,9 +3,10 @@
 
 Neither Ascend consumer reads FA scales for them: vllm-ascend serves every
 ``use_sparse`` model with its SFA backend, which has no FAKQuant path, and MindIE
-3.0.0 runs DeepSeek-V3.2 on its runtime's sparse attention without FA3 and has no
-glm_moe_dsa model. :mod:`.releases` puts these rules first (each names its
-architectures, so the generic MLA rules never see these models first).
+3.0.0 runs DeepSeek-V3.2 on its runtime's sparse attention without FA3 (it has no
+glm_moe_dsa model: rule ``mindie.no-model`` of :mod:`.releases`). :mod:`.releases`
+puts these rules first (each names its architectures, so the generic MLA rules
+never see these models first).
 """
 
 from __future__ import annotations
@@ -78,19 +79,6 @@ DSA_RULES: tuple[Rule, ...] = (
             ),
         ),
         silent=True,
-    ),
-    Rule(
-        "mindie.no-glm-dsa",
-        "mindie",
-        "*",
-        ("3.0.0",),
-        frozenset({"GlmMoeDsaForCausalLM"}),
-        True,
-        "MindIE has no glm_moe_dsa model (get_router_ins raises NotImplementedError "
-        "'unsupported model type'; no atb_llm router either): the artifact is in "
-        "msModelSlim's format, but no MindIE release in the table runs it",
-        (Citation(MINDIE, "mindie_llm/runtime/models/__init__.py", MINDIE300),),
-        caveat=True,
     ),
     Rule(
         "mindie.fakquant-dsa",

@@ -24,13 +24,12 @@ vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausa
 0.25.1rc1, main    loads through ``AutoWeightsLoader``   (its C8 attention applies no
                    (``get_cache_scale_mapper``);         sliding window: wrong past
                    FAKQuant                              ``sliding_window`` tokens)
-MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       ``model_quant_type`` float
-                   qwen3), FAKQuant (deepseek_v2/v3);    (rule of :mod:`.consumers`);
-                   the MoE models (qwen2_moe, qwen3_moe, notes: FA tensors loaded but
-                   mixtral, glm4_moe) run the linears;   unused by the MoE graphs;
-                   DeepSeek-V3.2 quantized linears       no MiniMax-M2 / Qwen3-Next /
-                                                         Gemma 3 / GlmMoeDsa model;
-                                                         FAKQuant for DeepSeek-V3.2
+MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-Next /
+                   qwen3), FAKQuant (deepseek_v2/v3);    Gemma 3 / GlmMoeDsa model;
+                   the quantized linears only for the    FAQuant for the MoE models
+                   MoE models (qwen2_moe, qwen3_moe,     (no FA3 there, silently);
+                   mixtral, glm4_moe: no FA3) and        FAKQuant for DeepSeek-V3.2;
+                   DeepSeek-V3.2 (:mod:`.mindie_models`) ``model_quant_type`` float
 =================  ====================================  ===========================
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
@@ -147,6 +146,23 @@ _FIRST_INDEX_LOADERS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
+#: MindIE 3.0.0: no model (.mindie_models), and the MoE models without FA3
+_MINDIE_NONE = frozenset(
+    {
+        "MiniMaxM2ForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Gemma3ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+    }
+)
+_MINDIE_MOE = frozenset(
+    {
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "Glm4MoeForCausalLM",
+    }
+)
 RULES: tuple[Rule, ...] = (
     *DSA_RULES,
     Rule(
@@ -374,32 +390,31 @@ RULES: tuple[Rule, ...] = (
             ),
         ),
     ),
+    # MindIE per family: ascend_fa.artifact.mindie_models holds the whole table
+    # (backend, FA3, quantize source, expert precision), cited line by line.
     Rule(
         "mindie.no-model",
         "mindie",
-        "FAQuant",
+        "*",
         ("3.0.0",),
-        frozenset(
-            {"MiniMaxM2ForCausalLM", "Qwen3NextForCausalLM", "Gemma3ForCausalLM"}
-        ),
+        _MINDIE_NONE,
         True,
-        "MindIE has no model for this architecture (no atb_llm/models entry): the "
-        "artifact is in msModelSlim's format, but no MindIE release in the table "
-        "runs it",
+        "MindIE has no model for this architecture (no atb_llm/models nor "
+        "mindie_llm/runtime/models folder: NotImplementedError 'unsupported model "
+        "type'): calibrate refuses it but for a research run, inspect finds it "
+        "(ascend_fa.artifact.mindie_models)",
         (
             Citation(
                 MINDIE,
                 "examples/atb_models/atb_llm/models/__init__.py",
                 _MINDIE300,
-                "get_model: no minimax / qwen3_next / gemma3 folder, 'unsupported "
-                "model type'",
+                "L94-97 get_model: 'unsupported model type'",
             ),
             Citation(
                 MINDIE,
                 "mindie_llm/runtime/models/__init__.py",
                 _MINDIE300,
-                "get_router_ins: no qwen3_next / gemma3 folder, 'unsupported model "
-                "type'",
+                "L47-48 get_router_ins: 'unsupported model type'",
             ),
         ),
         caveat=True,
@@ -409,33 +424,27 @@ RULES: tuple[Rule, ...] = (
         "mindie",
         "FAQuant",
         ("3.0.0",),
-        frozenset(
-            {
-                "Qwen2MoeForCausalLM",
-                "Qwen3MoeForCausalLM",
-                "MixtralForCausalLM",
-                "Glm4MoeForCausalLM",
-            }
-        ),
-        True,
-        "the MoE models load the fa_q/fa_k/fa_v tensors (base attention "
-        "load_weights) but their graphs pass no enableFA3: the quantized linears "
-        "run, attention stays float (qwen3_moe routes to qwen2_moe)",
+        _MINDIE_MOE,
+        False,
+        "the MoE models build no FA3 (no enableFA3; qwen2_moe / qwen3_moe never "
+        "read the description): the fa_* tensors go unused while mixtral and "
+        "glm4_moe allocate an int8 KV cache for fa_quant_type FAQuant; --target "
+        "mindie writes their quantized linears only",
         (
-            Citation(
-                MINDIE,
-                "examples/atb_models/atb_llm/models/base/modeling.py",
-                _MINDIE300,
-                "FA3.load",
-            ),
             Citation(
                 MINDIE,
                 "examples/atb_models/atb_llm/models/qwen2_moe/flash_causal_qwen2_moe.py",
                 _MINDIE300,
                 "no enableFA3",
             ),
+            Citation(
+                MINDIE,
+                "examples/atb_models/atb_llm/runner/model_runner.py",
+                _MINDIE300,
+                "L290-292 int8 KV cache when fa_quant_type == FAQuant",
+            ),
         ),
-        caveat=True,
+        silent=True,
     ),
     Rule(
         "mindie.fa3",

@@ -50,7 +50,6 @@ from .format import (
     FA_QUANT_TYPES,
     FA_WEIGHTS_NAME,
     LINEAR_QUANT_TYPES,
-    MOE_QUANTIZE_KEY,
     REPORT_FILE,
     TARGET_METADATA_KEY,
     TOKENIZER_FILES,
@@ -62,6 +61,7 @@ from .format import (
     mixed_moe_linears,
 )
 from .lazy import LazyTensors, write_safetensors
+from .mindie_models import mindie_config
 from .model_files import (
     copy_model_files,
     merged_config,
@@ -485,8 +485,17 @@ def export_artifact(
             cfg = target_config(
                 config or {}, target, dtype, kv_strategy=kv_strategy, source=source
             )
-            if target == "mindie" and mixed_moe_linears(types):
-                cfg[MOE_QUANTIZE_KEY] = "w8a8_dynamic"
+            if target == "mindie":
+                # what MindIE's router for this family reads beside the source's
+                # keys: quantize, moe_quantize, rope_scaling (.mindie_models)
+                cfg.update(
+                    mindie_config(
+                        cfg.get("model_type"),
+                        model_quant_type,
+                        mixed_moe_linears(types),
+                        cfg,
+                    )
+                )
             write_json(tmp / CONFIG_FILE, cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)

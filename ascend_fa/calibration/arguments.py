@@ -33,13 +33,17 @@ __all__ = [
 LINEAR_TYPES = {"none": "FLOAT", "w8a8": "W8A8", "w8a8_dynamic": "W8A8_DYNAMIC"}
 
 
-def default_linear(target: str, mla: bool | None) -> str:
+def default_linear(target: str, mla: bool | None, model_type: str | None = None) -> str:
     """The linears a target deploys by default: MindIE loads attention quantization
-    only beside quantized linears (W8A8); vllm-ascend's FAKQuant path reads the
-    quantized MLA linears (W8A8_DYNAMIC), its GQA C8 path keeps them float; vLLM's
-    KV-cache scheme needs none."""
+    only beside quantized linears (W8A8; W8A8_DYNAMIC for the MoE models that load
+    every linear under one type, :mod:`ascend_fa.artifact.mindie_models`);
+    vllm-ascend's FAKQuant path reads the quantized MLA linears (W8A8_DYNAMIC), its
+    GQA C8 path keeps them float; vLLM's KV-cache scheme needs none."""
     if target == "mindie":
-        return "w8a8"
+        from ascend_fa.artifact.mindie_models import mindie_model
+
+        m = mindie_model(model_type)
+        return "w8a8_dynamic" if m is not None and m.uniform else "w8a8"
     if target == "vllm-ascend" and mla:
         return "w8a8_dynamic"
     return "none"
@@ -148,7 +152,7 @@ def streaming_plan(
     src_config = source_config(model)
     mla = is_mla(src_config.get("model_type")) if src_config else None
     target = artifact.resolve_target(target)
-    linear = linear or default_linear(target, mla)
+    linear = linear or default_linear(target, mla, src_config.get("model_type"))
     return plan_streaming(
         model,
         num_samples=num_samples,

@@ -159,7 +159,11 @@ class CalibrationPlan:
 
 
 def _resolved_linear(
-    linear: str | None, merge_into: Any, target: str, mla: bool | None
+    linear: str | None,
+    merge_into: Any,
+    target: str,
+    mla: bool | None,
+    model_type: str | None = None,
 ) -> str:
     """``--linear`` as the description's ``model_quant_type``: an export merged
     into keeps its own linears; None means what the target deploys."""
@@ -170,7 +174,7 @@ def _resolved_linear(
     if merge_into is not None:
         linear = "none"
     elif linear is None:
-        linear = default_linear(target, mla)
+        linear = default_linear(target, mla, model_type)
     linear_type = LINEAR_TYPES.get(str(linear).lower())
     if linear_type is None:
         raise InputError(f"--linear {linear!r}; choose w8a8, w8a8_dynamic or none")
@@ -201,7 +205,13 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
         )
     src_config = source_config(args["model"])
     mla = is_mla(src_config.get("model_type")) if src_config else None
-    linear_type = _resolved_linear(args["linear"], args["merge_into"], target, mla)
+    linear_type = _resolved_linear(
+        args["linear"],
+        args["merge_into"],
+        target,
+        mla,
+        src_config.get("model_type") if src_config else None,
+    )
     return CalibrationPlan(
         model=args["model"],
         output=args["output"],
@@ -265,6 +275,27 @@ def check_consumer_release(plan: CalibrationPlan) -> None:
     artifact.check_release(
         plan.target, plan.consumer_version, plan.model, plan.gguf_file
     )
+
+
+def check_mindie_family(plan: CalibrationPlan) -> None:
+    """``--target mindie``: MindIE 3.0.0 has a model for this family and loads
+    these linears there (:func:`~ascend_fa.artifact.mindie_refusal`). A research
+    run (``--dtype fp32``, or ``--linear none``: attention only) writes what no
+    MindIE loads anyway; ``inspect --target mindie`` refuses those artifacts."""
+    from ascend_fa import artifact
+    from ascend_fa.errors import UnsupportedError
+
+    if plan.target != "mindie" or not plan.source_config:
+        return
+    if plan.research or plan.linear_type == "FLOAT":
+        return
+    line = artifact.mindie_refusal(
+        plan.source_config.get("model_type"),
+        linear_type=plan.linear_type,
+        merge=plan.merge,
+    )
+    if line:
+        raise UnsupportedError(line)
 
 
 def check_transforms_merge(plan: CalibrationPlan) -> None:
@@ -400,6 +431,7 @@ def check_headroom(plan: CalibrationPlan) -> None:
 #: parsed and before anything is read, loaded or written.
 PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_output_locations,
+    check_mindie_family,
     check_consumer_release,
     check_transforms_merge,
     check_consumer_target,

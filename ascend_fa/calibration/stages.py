@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ascend_fa import parallel
+from ascend_fa.artifact.mindie_models import shared_in_model_type
 from ascend_fa.errors import InputError
 from ascend_fa.families import reads_fa
 
@@ -185,6 +186,9 @@ def quantize_linears(
             DEFAULT_HEADROOM_DOUBLINGS
             if plan.linear_headroom is None
             else plan.linear_headroom
+        ),
+        shared_dynamic=not (
+            plan.target == "mindie" and shared_in_model_type(source.model_type)
         ),
     )
     with source.spilling():

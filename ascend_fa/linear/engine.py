@@ -119,8 +119,7 @@ FALLBACK_CRITERIA = ("layer", "kl")
 #: observing forwards (float linears) and inside them the statistics hooks
 #: (``observers``), the decisions (search, fold, quantize), the layer-local
 #: fallback, the propagation through the quantized layer (calibration and scan
-#: data), the resume checkpoint. The KL criterion's scan after the loop replaces
-#: ``"fallback"``.
+#: data), the resume checkpoint. The KL criterion's scan replaces ``"fallback"``.
 _PHASES = (
     "prepare",
     "observe",
@@ -174,6 +173,7 @@ class LinearConfig:
     layer_budget: float = 0.001
     rotate: bool = False
     headroom_doublings: float = DEFAULT_HEADROOM_DOUBLINGS
+    shared_dynamic: bool = True  # False: shared experts in quant_type (plan doc)
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -616,7 +616,7 @@ def quantize_linears(
     exactly (:class:`~.parallel.StatsSync`).
     """
     t0 = time.perf_counter()
-    plans = linear_plan(model)
+    plans = linear_plan(model, shared_dynamic=config.shared_dynamic)
     if config.quant_type == "W8A8_DYNAMIC":
         require_fused_experts(model, plans)
     done = [

@@ -54,12 +54,13 @@ kv_b_proj"); the MoE routers and Qwen's ``shared_expert_gate``. Routed experts,
 which transformers 5 holds as fused ``experts.gate_up_proj`` /
 ``experts.down_proj`` parameters rather than linears, are the plan's ``experts``;
 they and the shared experts are quantized per token under either ``--linear``
-(:meth:`LinearGroup.linear_type`, :mod:`.experts`).
+(:meth:`LinearGroup.linear_type`, :mod:`.experts`), but for a consumer that loads the
+shared experts under the model-level type (MindIE: :func:`shared_in_model_type`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -77,6 +78,7 @@ __all__ = [
     "LinearGroup",
     "linear_plan",
     "require_fused_experts",
+    "shared_in_model_type",
 ]
 
 #: The model types whose family (:mod:`ascend_fa.families`) takes the GQA plan.
@@ -341,8 +343,10 @@ _LAYER_PLANS = {
 }
 
 
-def linear_plan(model: nn.Module) -> list[LayerPlan]:
-    """The quantization plan of ``model`` (one :class:`LayerPlan` per decoder layer).
+def linear_plan(model: nn.Module, *, shared_dynamic: bool = True) -> list[LayerPlan]:
+    """The quantization plan of ``model`` (one :class:`LayerPlan` per decoder layer);
+    ``shared_dynamic`` False puts the shared experts in ``--linear``'s type
+    (:func:`shared_in_model_type`).
 
     Raises :class:`UnsupportedError` for a model type without a plan, or a linear
     whose shape no consumer's kernel takes (naming it).
@@ -363,7 +367,7 @@ def linear_plan(model: nn.Module) -> list[LayerPlan]:
             for name in group.linears:
                 lin = _linear(model, name)
                 check_linear_shape(name, lin.in_features, lin.out_features)
-    return plans
+    return plans if shared_dynamic else shared_in_model_type(plans)
 
 
 def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
@@ -379,3 +383,24 @@ def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
         require_transformers5(
             f"W8A8_DYNAMIC routed experts ({unfused[0]}: one module per expert)"
         )
+
+
+def shared_in_model_type(plans: list[LayerPlan]) -> list[LayerPlan]:
+    """``plans`` with the shared experts' groups in ``--linear``'s type rather than
+    per token: MindIE 3.0.0 loads the shared experts under the model-level
+    ``quantize`` (only the routed experts under ``moe_quantize``;
+    Ascend/MindIE-LLM ``examples/atb_models/atb_llm/models/deepseek/
+    modeling_deepseek.py`` @8b4871ad L488-492, L601-603, L631), as msModelSlim's
+    MoE recipes quantize them (``*mlp.experts*`` dynamic, msmodelslim 26.1.0
+    ``lab_practice/glm4_moe/glm4_7_moe-w8a8-v1.yaml``). Shared experts see every
+    token, so a static range is calibrated on all of them."""
+    shared = ("shared_gate_up", "shared_down")
+    return [
+        replace(
+            p,
+            groups=[
+                replace(g, dynamic=False) if g.kind in shared else g for g in p.groups
+            ],
+        )
+        for p in plans
+    ]

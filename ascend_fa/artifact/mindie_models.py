@@ -1,0 +1,463 @@
+"""How MindIE 3.0.0 runs each family, as data read from its model code.
+
+MindIE's default backend is ``atb`` (``"backendType": "atb"``); each ``model_type``
+is routed to one ``atb_llm/models/<folder>`` (paths below are under
+``examples/atb_models/atb_llm/`` of Ascend/MindIE-LLM @8b4871ad = tag v3.0.0
+unless they start with ``mindie_llm/`` or ``docs/``). Per family this table says
+what that model does with an artifact:
+
+* ``model``: the folder that runs it (None: no MindIE model, ``get_model`` raises
+  ``NotImplementedError: unsupported model type``);
+* ``fa3``: the FA scheme the model builds (``FA3.load`` / ``FA3.load_mla`` and
+  ``enableFA3``), None where its attention reads no ``fa_*`` tensor;
+* ``quantize_from``: where the router takes ``config.quantize``: the
+  description's ``model_quant_type`` (the base router's ``config`` property), or
+  only ``config.json``'s ``quantize`` key (routers that override ``config``);
+* ``moe_quantize``: the model swaps ``config.quantize`` for ``config.json``'s
+  ``moe_quantize`` while it builds the routed experts (and restores it after);
+* ``shared``: what the shared experts load under (``"model"``: the model-level
+  ``quantize``; None: no shared experts);
+* ``uniform``: every linear must carry one type (no ``moe_quantize`` reader, or
+  a graph that registers the experts with the model-level type);
+* ``dtype``: the dtype its config class forces; ``fa3_dtypes``: the dtypes its
+  FA3 guide supports; ``config_keys``: keys its config class requires.
+
+What :mod:`ascend_fa` writes for ``--target mindie`` follows from it
+(:func:`mindie_refusal`, :func:`mindie_config`, :func:`mindie_findings`); the tests
+walk MindIE's load path per family from the same citations
+(``tests/mindie_loader.py``).
+
+=============  ===========  =====  =========  ========  ======  ==========
+model_type     model        FA3    quantize   routed    shared  notes
+=============  ===========  =====  =========  ========  ======  ==========
+llama          llama        FAQ    desc.      -         -
+mistral        llama        FAQ    desc.      -         -
+qwen2          qwen2        FAQ    desc.      -         -
+qwen3          qwen2        FAQ    desc.      -         -
+deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16
+qwen2_moe      qwen2_moe    -      config     quantize  model   uniform
+qwen3_moe      qwen2_moe    -      config     quantize  -       uniform
+glm4_moe       glm4_moe     -      desc.      moe_q.    model   rope_scaling
+mixtral        mixtral      -      desc.      (graph)   -       uniform, fp16
+deepseek_v32   runtime      -      desc.      per name  per n.  torch runtime
+minimax_m2,    none
+qwen3_next,
+gemma3_text,
+glm_moe_dsa
+=============  ===========  =====  =========  ========  ======  ==========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .release_types import MINDIE, MINDIE300, Citation
+
+__all__ = [
+    "MINDIE_MODELS",
+    "MindieModel",
+    "mindie_config",
+    "mindie_findings",
+    "mindie_model",
+    "mindie_refusal",
+    "shared_in_model_type",
+]
+
+_A = "examples/atb_models/atb_llm"
+
+
+def _c(path: str, where: str) -> Citation:
+    full = path if path.startswith(("mindie_llm/", "docs/", "src/")) else f"{_A}/{path}"
+    return Citation(MINDIE, full, MINDIE300, where)
+
+
+@dataclass(frozen=True)
+class MindieModel:
+    """What MindIE 3.0.0 does with one ``model_type`` (see the module doc)."""
+
+    model_type: str
+    backend: str | None
+    model: str | None
+    fa3: str | None
+    quantize_from: str = "description"
+    moe_quantize: bool = False
+    shared: str | None = None
+    uniform: bool = False
+    dtype: str | None = None
+    fa3_dtypes: tuple[str, ...] = ("float16", "bfloat16")
+    config_keys: tuple[str, ...] = ()
+    #: (key MindIE reads, transformers 5's name of it): written when only the
+    #: latter is in the source's config.json
+    config_aliases: tuple[tuple[str, str], ...] = ()
+    citations: tuple[Citation, ...] = ()
+
+    def cites(self) -> str:
+        return "; ".join(str(c) for c in self.citations)
+
+
+_ROUTE = _c("models/__init__.py", "L94-97 get_model: unsupported model type")
+_NO_RUNTIME = _c(
+    "mindie_llm/runtime/models/__init__.py",
+    "L47-48 get_router_ins: unsupported model type (runtime models: deepseek_v3, "
+    "deepseek_v32, qwen2, qwen3, qwen3_moe)",
+)
+_BACKEND = _c("src/server/conf/config.json", 'L84 "backendType": "atb"')
+_DESC = _c(
+    "models/base/router.py",
+    "L217-218 quantize = model_quant_type.lower() when config.json has none",
+)
+_BASE_FA3 = _c("models/base/modeling.py", "L96-97 FA3.load fa_q/fa_k/fa_v")
+_QWEN2_FA3 = _c("models/qwen2/modeling_qwen2.py", "L147-149 FA3.load")
+_W8A8_LOAD = _c(
+    "utils/weights.py",
+    "L758-770 get_multi_weights_col: w8a8 reads weight, deq_scale, quant_bias, "
+    "input_scale, input_offset; L773-799 w8a8_dynamic: weight, weight_scale, "
+    "weight_offset; a float weight returns early",
+)
+_FLOAT_LINEAR = _c(
+    "utils/layers/linear/fast_linear.py",
+    "L32-33 ValueError: linear type not matched, please check config.json quantize",
+)
+_QWEN_MOE_ROUTER = (
+    _c(
+        "models/qwen2_moe/router_qwen2_moe.py",
+        "L22-29 config: Qwen2MoeConfig.from_pretrained (the description is not read)",
+    ),
+    _c(
+        "models/qwen3_moe/router_qwen3_moe.py",
+        "L24-34 model_type qwen2_moe; config: Qwen3MoeConfig.from_dict(config.json)",
+    ),
+    _c(
+        "models/qwen2_moe/modeling_qwen2_moe.py",
+        "L172-237 experts and L239-243 shared_expert under config.quantize "
+        "(no moe_quantize reader)",
+    ),
+    _FLOAT_LINEAR,
+    _c(
+        "mindie_llm/runtime/layers/quantization/ms_model_slim/quantization_config.py",
+        "L44-48 the torch runtime's qwen3_moe reads no fa_quant_type",
+    ),
+)
+_QWEN_MOE_EXPERTS = _c(
+    "models/qwen2_moe/configuration_qwen2_moe.py",
+    "L27 num_experts: int = 60 (modeling_qwen2_moe.py L114 reads config.num_experts; "
+    "a transformers-5 config says num_local_experts)",
+)
+_RUNNER_INT8 = _c(
+    "runner/model_runner.py",
+    "L290-292 int8 KV cache whenever fa_quant_type == FAQuant",
+)
+
+_GQA = dict(backend="atb", fa3="FAQuant")
+_NONE = dict(backend=None, model=None, fa3=None)
+
+#: ``model_type`` -> what MindIE 3.0.0 does with it.
+MINDIE_MODELS: dict[str, MindieModel] = {
+    m.model_type: m
+    for m in (
+        MindieModel(
+            "llama",
+            model="llama",
+            **_GQA,
+            citations=(
+                _BACKEND,
+                _DESC,
+                _BASE_FA3,
+                _c("models/llama/flash_causal_llama.py", "L210 enableFA3"),
+            ),
+        ),
+        MindieModel(
+            "mistral",
+            model="llama",
+            **_GQA,
+            citations=(
+                _c("models/mistral/router_mistral.py", "L19 model_type llama"),
+                _BASE_FA3,
+                _c("models/llama/flash_causal_llama.py", "L210 enableFA3"),
+            ),
+        ),
+        MindieModel(
+            "qwen2",
+            model="qwen2",
+            **_GQA,
+            citations=(
+                _DESC,
+                _QWEN2_FA3,
+                _c("models/qwen2/flash_causal_qwen2.py", "L478 enableFA3"),
+            ),
+        ),
+        MindieModel(
+            "qwen3",
+            model="qwen2",
+            **_GQA,
+            citations=(
+                _c("models/qwen3/router_qwen3.py", "L24 model_type qwen2"),
+                _QWEN2_FA3,
+                _c("models/qwen2/flash_causal_qwen2.py", "L478 enableFA3"),
+            ),
+        ),
+        MindieModel(
+            "deepseek_v3",
+            backend="atb",
+            model="deepseekv2",
+            fa3="FAKQuant",
+            moe_quantize=True,
+            shared="model",
+            fa3_dtypes=("float16",),
+            citations=(
+                _c("models/__init__.py", "L71-73 deepseek_v3 -> deepseekv2"),
+                _c(
+                    "models/deepseekv2/modeling_deepseekv2.py",
+                    "L141-144 FA3.load_mla reads fa_q.scale, fa_k.scale",
+                ),
+                _c(
+                    "models/deepseek/modeling_deepseek.py",
+                    "L488-492 quantize = moe_quantize for the routed experts; "
+                    "L601-603 restored; L631 shared_experts built after",
+                ),
+                _W8A8_LOAD,
+                _c(
+                    "docs/zh/user_guide/feature/fa3_quantization.md",
+                    "FA3: DeepSeek R1/V3 only, float16 only",
+                ),
+            ),
+        ),
+        MindieModel(
+            "qwen2_moe",
+            backend="atb",
+            model="qwen2_moe",
+            fa3=None,
+            quantize_from="config.json",
+            shared="model",
+            uniform=True,
+            config_aliases=(("num_experts", "num_local_experts"),),
+            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_EXPERTS),
+        ),
+        MindieModel(
+            "qwen3_moe",
+            backend="atb",
+            model="qwen2_moe",
+            fa3=None,
+            quantize_from="config.json",
+            uniform=True,
+            config_aliases=(("num_experts", "num_local_experts"),),
+            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_EXPERTS),
+        ),
+        MindieModel(
+            "glm4_moe",
+            backend="atb",
+            model="glm4_moe",
+            fa3=None,
+            moe_quantize=True,
+            shared="model",
+            config_keys=("rope_scaling",),
+            citations=(
+                _c(
+                    "models/glm4_moe/modeling_glm4_moe.py",
+                    "L157-160 quantize = moe_quantize for the routed experts; "
+                    "L187-189 restored; L200-201 shared_experts built after; no FA3",
+                ),
+                _c(
+                    "models/glm4_moe/config_glm4_moe.py",
+                    "L51 __init__(self, rope_scaling, **kwargs): a required argument",
+                ),
+                _RUNNER_INT8,
+            ),
+        ),
+        MindieModel(
+            "mixtral",
+            backend="atb",
+            model="mixtral",
+            fa3=None,
+            moe_quantize=True,
+            uniform=True,
+            dtype="float16",
+            citations=(
+                _c(
+                    "models/mixtral/flash_causal_mixtral.py",
+                    "L165/L170 register_moe_layer(layer, self.quantize): the experts "
+                    "registered with the model-level type; no enableFA3",
+                ),
+                _c(
+                    "utils/data/weight_wrapper.py",
+                    "L154-158 a w8a8 linear's quant_bias / deq_scale",
+                ),
+                _c("models/mixtral/config_mixtral.py", "L53 torch_dtype = float16"),
+                _RUNNER_INT8,
+            ),
+        ),
+        MindieModel(
+            "deepseek_v32",
+            backend="torch",
+            model="deepseek_v32",
+            fa3=None,
+            citations=(
+                _c(
+                    "mindie_llm/runtime/models/deepseek_v32/router_deepseek_v32.py",
+                    "DeepseekV32Router (the torch runtime only)",
+                ),
+                _c(
+                    "mindie_llm/runtime/layers/quantization/ms_model_slim/"
+                    "quantization_config.py",
+                    "L67-100 per-linear type from the description; no fa_quant_type",
+                ),
+            ),
+        ),
+        *(
+            MindieModel(t, **_NONE, citations=(_ROUTE, _NO_RUNTIME))
+            for t in ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa")
+        ),
+    )
+}
+
+
+def mindie_model(model_type: str | None) -> MindieModel | None:
+    """The table's entry for ``model_type`` (None: a type ascend-fa does not
+    calibrate, judged by the generic rules only)."""
+    return MINDIE_MODELS.get(model_type) if model_type is not None else None
+
+
+def shared_in_model_type(model_type: str | None) -> bool:
+    """Whether MindIE loads ``model_type``'s shared experts under the model-level
+    ``quantize`` (they must then carry ``--linear``'s type, not W8A8_DYNAMIC)."""
+    m = mindie_model(model_type)
+    return m is not None and (m.shared == "model" or m.uniform)
+
+
+def mindie_refusal(
+    model_type: str | None, *, linear_type: str | None, merge: bool = False
+) -> str | None:
+    """``calibrate --target mindie``'s one-line refusal for ``model_type`` with
+    ``linear_type`` (the description's ``model_quant_type``), or None."""
+    m = mindie_model(model_type)
+    if m is None:
+        return None
+    head = f"--target mindie (MindIE 3.0.0) cannot run {model_type}"
+    if m.model is None:
+        return (
+            f"{head}: MindIE has no model for it (no atb_llm/models nor "
+            "mindie_llm/runtime/models folder: NotImplementedError 'unsupported "
+            f"model type'); use --target vllm-ascend or vllm ({m.cites()})"
+        )
+    if m.uniform and not merge and linear_type == "W8A8":
+        return (
+            f"{head} with --linear w8a8: its model loads every linear, the routed "
+            "experts included, under one model-level quantize (no moe_quantize "
+            "reader), and the routed experts are W8A8_DYNAMIC; use --linear "
+            f"w8a8_dynamic ({m.cites()})"
+        )
+    return None
+
+
+def mindie_config(
+    model_type: str | None, model_quant_type: str, mixed: bool, cfg: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The config.json keys MindIE's router for ``model_type`` needs beside the
+    source's: ``quantize`` where the router reads only config.json, ``moe_quantize``
+    where the model reads it and the experts differ from the model-level type,
+    a required ``rope_scaling`` (None when the source has none)."""
+    m = mindie_model(model_type)
+    out: dict[str, Any] = {}
+    if m is None or m.model is None:  # the generic keys (a research artifact)
+        return {"moe_quantize": "w8a8_dynamic"} if mixed else {}
+    if m.quantize_from == "config.json" and model_quant_type != "FLOAT":
+        out["quantize"] = model_quant_type.lower()
+    if m.moe_quantize and mixed:
+        out["moe_quantize"] = "w8a8_dynamic"
+    for key in m.config_keys:
+        if key not in cfg:
+            out[key] = None
+    for key, alias in m.config_aliases:
+        if key not in cfg and alias in cfg:
+            out[key] = cfg[alias]
+    return out
+
+
+_LINEAR = ("W8A8", "W8A8_DYNAMIC")
+
+
+def _expert_kind(name: str) -> str | None:
+    if ".shared_expert" in name:
+        return "shared"
+    if ".experts." in name:
+        return "routed"
+    return None
+
+
+def mindie_findings(
+    config: Mapping[str, Any] | None, desc: Mapping[str, Any] | None
+) -> list[str]:
+    """What MindIE 3.0.0's model for this artifact's ``model_type`` would not load
+    or would run otherwise than the description says, one line each."""
+    cfg = config or {}
+    m = mindie_model(cfg.get("model_type"))
+    if m is None or desc is None:
+        return []
+    t = cfg.get("model_type")
+    out: list[str] = []
+    if m.model is None:
+        return [
+            f"config.json: model_type {t!r}: MindIE 3.0.0 has no model for it "
+            f"(NotImplementedError 'unsupported model type'; {m.cites()})"
+        ]
+    fa = desc.get("fa_quant_type")
+    if fa is not None and m.fa3 is None:
+        out.append(
+            f"fa_quant_type: {fa!r}; MindIE 3.0.0's {m.model} model for {t} builds no "
+            f"FA3, the fa_* tensors would go unused ({m.cites()})"
+        )
+    mqt = str(desc.get("model_quant_type") or "").lower()
+    types = {k: v for k, v in desc.items() if isinstance(v, str)}
+    if m.quantize_from == "config.json" and cfg.get("quantize") != mqt:
+        out.append(
+            f"config.json: quantize is {cfg.get('quantize')!r}, not {mqt!r}: "
+            f"MindIE's {t} router reads only config.json (not the description), "
+            f"and builds a float model otherwise ({m.cites()})"
+        )
+    wrong = _misloaded(m, mqt, types, cfg)
+    if wrong:
+        name, kind, want = wrong
+        out.append(
+            f"{name}: {types[name]} but MindIE 3.0.0 loads {t}'s {kind} "
+            f"{'linears' if kind == 'linear' else 'experts'} under quantize "
+            f"{want!r} ({m.cites()})"
+        )
+    for key in m.config_keys:
+        if key not in cfg:
+            out.append(
+                f"config.json: {key} missing; MindIE's {t} config class requires it "
+                f"({m.cites()})"
+            )
+    for key, alias in m.config_aliases:
+        if key not in cfg and alias in cfg:
+            out.append(
+                f"config.json: {key} missing (only {alias}); MindIE's {t} config "
+                f"class reads {key} and takes its own default ({m.cites()})"
+            )
+    return out
+
+
+def _misloaded(
+    m: MindieModel, mqt: str, types: Mapping[str, str], cfg: Mapping[str, Any]
+) -> tuple[str, str, str] | None:
+    """The first expert weight whose described type is not the one MindIE loads
+    it under: shared experts (and, in a uniform model, every linear) under the
+    model-level ``quantize``; routed experts under ``moe_quantize`` where read."""
+    moe = mqt
+    if m.moe_quantize and not m.uniform:
+        moe = str(cfg.get("moe_quantize") or mqt)
+    for name, typ in types.items():
+        kind = _expert_kind(name) or ("linear" if m.uniform else None)
+        if not name.endswith(".weight") or typ not in _LINEAR or kind is None:
+            continue
+        if m.uniform or (kind == "shared" and m.shared == "model"):
+            want = mqt
+        elif kind == "routed":
+            want = moe
+        else:
+            continue
+        if typ.lower() != want:
+            return name, kind, want
+    return None

@@ -444,7 +444,7 @@ def test_streaming_is_bit_equal_to_the_whole_model(src, tmp_path):
 
 def test_emulate_and_transforms_are_refused_in_one_line(src, tmp_path, capsys):
     out = tmp_path / "x"
-    assert _calibrate(src, out, "--transforms", "v-rotation") == 2
+    assert _calibrate(src, out, *LINEARS, "--transforms", "v-rotation") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gated attention" in err[0] and not out.exists()
     rc = main(["emulate", "--model", str(src), "--max-new-tokens", "2", "-q"])

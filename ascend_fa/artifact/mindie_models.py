@@ -360,7 +360,7 @@ def mindie_config(
     a required ``rope_scaling`` (None when the source has none)."""
     m = mindie_model(model_type)
     out: dict[str, Any] = {}
-    if m is None or m.model is None:  # the generic keys (a research artifact)
+    if m is None or m.backend != "atb":  # no model, or the runtime (per linear)
         return {"moe_quantize": "w8a8_dynamic"} if mixed else {}
     if m.quantize_from == "config.json" and model_quant_type != "FLOAT":
         out["quantize"] = model_quant_type.lower()
@@ -416,7 +416,7 @@ def mindie_findings(
             f"MindIE's {t} router reads only config.json (not the description), "
             f"and builds a float model otherwise ({m.cites()})"
         )
-    wrong = _misloaded(m, mqt, types, cfg)
+    wrong = _misloaded(m, mqt, types, cfg) if m.backend == "atb" else None
     if wrong:
         name, kind, want = wrong
         out.append(

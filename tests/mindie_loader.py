@@ -103,7 +103,7 @@ class _Checkpoint:
 def _linear(ck: _Checkpoint, load: Load, prefix: str, quantize: str | None) -> None:
     """One linear under ``quantize`` (utils/weights.py get_multi_weights_col /
     get_sharded): the weight always (L253 ``weight ... does not exist``); a float
-    weight returns early (L761-762, L785-786) unless the model is float; int8
+    weight returns early (L762-763, L791-792) unless the model is float; int8
     under w8a8 reads deq_scale, quant_bias, input_scale, input_offset (L758-770);
     under w8a8_dynamic weight_scale, weight_offset (L773-799); an int8 weight
     under a float model: FastLinear's ValueError (fast_linear.py L32-33)."""
@@ -209,6 +209,8 @@ def _layer(ck: _Checkpoint, load: Load, cfg: dict[str, Any], i: int) -> None:
     for lin in heads:
         _linear(ck, load, lin, q)
     if load.fa_quant_type is not None and load.model in FA3:
+        # stricter than MindIE: FA3.load_mla falls back to scales of 1 when its
+        # two tensors are missing (fa3.py load_mla: except AssertionError)
         for t in FA3[load.model]:
             _ask(ck, load, f"{a}.{t}", q)
             load.fa_read.add(f"{a}.{t}")
@@ -246,7 +248,7 @@ def _mlp(ck: _Checkpoint, load: Load, cfg: dict[str, Any], i: int, p: str) -> No
     else:
         block, projs = f"{p}.mlp", ("gate_proj", "up_proj", "down_proj")
         n = "num_experts" if load.model == "qwen2_moe" else "n_routed_experts"
-    # qwen2_moe/configuration_qwen2_moe.py L27: num_experts defaults to 60;
+    # qwen2_moe/configuration_qwen2_moe.py L28: num_experts defaults to 60;
     # mixtral/config_mixtral.py L49: attribute_map num_local_experts ->
     # n_routed_experts
     experts = cfg.get(n, cfg.get("num_local_experts") if n != "num_experts" else 60)

@@ -142,7 +142,7 @@ _QWEN_MOE_ROUTER = (
 )
 _QWEN_MOE_EXPERTS = _c(
     "models/qwen2_moe/configuration_qwen2_moe.py",
-    "L27 num_experts: int = 60 (modeling_qwen2_moe.py L114 reads config.num_experts; "
+    "L28 num_experts: int = 60 (modeling_qwen2_moe.py L114 reads config.num_experts; "
     "a transformers-5 config says num_local_experts)",
 )
 _RUNNER_INT8 = _c(

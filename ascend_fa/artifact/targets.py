@@ -182,10 +182,15 @@ def check_target(
     if merge or model_quant_type is None or linears_quantized:
         return
     if target in ("mindie", "vllm-ascend") and not reads_fa(model_type, target):
+        why = (
+            "its sparse attention keeps the latent cache as it runs it"
+            if mla
+            else "MindIE's model for it builds no FA3"
+        )
         raise UnsupportedError(
-            f"--target {target} reads no attention scales for {what} (its sparse "
-            "attention keeps the latent cache as it runs it; see README 'Consumer "
-            "releases'): quantize the linears (--linear w8a8 / w8a8_dynamic)"
+            f"--target {target} reads no attention scales for {what} ({why}; see "
+            "README 'Consumer releases'): quantize the linears (--linear w8a8 / "
+            "w8a8_dynamic)"
         )
     # --target mindie with float linears is allowed (an attention-only research
     # artifact): target_warning says, and inspect --target mindie refuses it.

@@ -276,7 +276,8 @@ def model_types(**wanted: object) -> tuple[str, ...]:
 def reads_fa(model_type: str | None, target: str) -> bool:
     """Whether ``target``'s consumer reads FA scales for ``model_type``: an Ascend
     target (mindie, vllm-ascend) only where the kind lists it in ``fa_targets``
-    (not for DeepSeek Sparse Attention); other targets, undeclared types: yes."""
+    (not for DeepSeek Sparse Attention, nor MindIE's MoE models); other targets,
+    undeclared types: yes."""
     kind = attention_kind(model_type)
     if kind is None or target not in ("mindie", "vllm-ascend"):
         return True

@@ -212,6 +212,22 @@ def test_a_research_run_is_not_refused_and_inspect_refuses_it(tmp_path):
     assert any("has no model for it" in f for f in report["findings"])
 
 
+@pytest.mark.parametrize("model_type", NO_MODEL)
+def test_attention_only_runs_of_a_family_without_model_are_refused(
+    tmp_path, capsys, model_type
+):
+    """``--linear none`` is no way around a family MindIE has no model for: only a
+    research run (``--dtype fp32``) writes its layout."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": model_type}))
+    out = tmp_path / "out"
+    assert _calibrate(src, out, "--linear", "none") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not out.exists()
+    assert "has no model for it" in err[0] and model_type in err[0]
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "mixtral"])
 def test_float_linears_where_no_fa3_is_built_are_refused(tmp_path, capsys, model_type):
     """An attention-only artifact (``--linear none``) of a model without FA3 would

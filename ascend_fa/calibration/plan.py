@@ -279,15 +279,16 @@ def check_consumer_release(plan: CalibrationPlan) -> None:
 
 def check_mindie_family(plan: CalibrationPlan) -> None:
     """``--target mindie``: MindIE 3.0.0 has a model for this family and loads
-    these linears there (:func:`~ascend_fa.artifact.mindie_refusal`). A research
-    run (``--dtype fp32``, or ``--linear none``: attention only) writes what no
-    MindIE loads anyway; ``inspect --target mindie`` refuses those artifacts."""
+    these linears there (:func:`~ascend_fa.artifact.mindie_refusal`). A family
+    without a MindIE model is refused whatever the linears (``--linear none``
+    included); only a research run (``--dtype fp32``, which no MindIE loads)
+    writes its layout, and ``inspect --target mindie`` refuses that artifact."""
     from ascend_fa import artifact
     from ascend_fa.errors import UnsupportedError
 
     if plan.target != "mindie" or not plan.source_config:
         return
-    if plan.research or plan.linear_type == "FLOAT":
+    if plan.research:
         return
     line = artifact.mindie_refusal(
         plan.source_config.get("model_type"),

@@ -1,0 +1,129 @@
+"""What the ``"ascend"`` quantization of the vLLM plugin reads from an artifact's
+``quant_model_description.json``; no vLLM import here.
+
+vllm-ascend reads the description the same way
+(vllm-project/vllm-ascend ``vllm_ascend/quantization/modelslim_config.py``): a
+layer's type is the type of ``<prefix>.weight``; a fused vLLM layer (``qkv_proj``,
+``gate_up_proj``) takes the type of its shards, which must agree; a layer the
+description does not name is float.
+
+=================  =======================================================  ========
+type               layers                                                   emulated
+=================  =======================================================  ========
+``FLOAT``          any                                                      yes
+``W8A8``           linear (static per-tensor activation, per-channel        yes
+                   weight, ``deq_scale``, ``quant_bias``)
+``W8A8_DYNAMIC``   linear, MoE experts (per-token activation)               yes
+``FAQuant``        attention (MindIE's FA3: Q/K/V int8 per head, static)    no (*)
+``C8``             KV cache (vllm-ascend's int8 per-channel cache)          no (*)
+=================  =======================================================  ========
+
+(*) loaded and checked; attention runs on vLLM's own cache (see the README's
+"Serve in vLLM").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ascend_fa.artifact.format import FA_QUANT_TYPES, description_problem, is_meta_key
+from ascend_fa.errors import FileFormatError, UnsupportedError
+
+__all__ = [
+    "ATTENTION_TYPES",
+    "LINEAR_TYPES",
+    "ServingDescription",
+]
+
+#: Linear (and MoE expert) types the plugin runs with the device's integer path.
+LINEAR_TYPES = ("FLOAT", "W8A8", "W8A8_DYNAMIC")
+#: Attention / KV types the plugin loads.
+ATTENTION_TYPES = ("FAQuant", "C8")
+
+
+class ServingDescription:
+    """A validated description: ``types`` maps every tensor name to its type.
+
+    Raises :class:`~ascend_fa.errors.FileFormatError` (a value that is not a
+    string) or :class:`~ascend_fa.errors.UnsupportedError` (a type the plugin does
+    not run), each one line naming the key.
+    """
+
+    def __init__(self, desc: Mapping[str, Any]):
+        problem = description_problem(desc)
+        if problem is not None:
+            raise FileFormatError(f"quant_model_description.json: {problem}")
+        self.raw = dict(desc)
+        self.types: dict[str, str] = {}
+        for key, value in desc.items():
+            if is_meta_key(key, value) or key == "moe_quantize":
+                continue
+            if value not in LINEAR_TYPES + ATTENTION_TYPES:
+                raise UnsupportedError(
+                    f"quant_model_description.json: {key} has type {value!r}; the "
+                    f"ascend-fa vLLM plugin runs {', '.join(LINEAR_TYPES)} linears "
+                    f"and {', '.join(ATTENTION_TYPES)} attention"
+                )
+            self.types[key] = value
+        fa = desc.get("fa_quant_type")
+        if fa is not None and fa not in FA_QUANT_TYPES:
+            raise UnsupportedError(
+                f"quant_model_description.json: fa_quant_type {fa!r} is not one of "
+                f"{', '.join(FA_QUANT_TYPES)}"
+            )
+        if fa == "FAKQuant":
+            raise UnsupportedError(
+                "quant_model_description.json: fa_quant_type FAKQuant (MLA) is not "
+                "served by the ascend-fa vLLM plugin (vLLM's CPU platform has no MLA "
+                "attention backend)"
+            )
+        kv = desc.get("kv_cache_type")
+        if kv is not None and kv != "C8":
+            raise UnsupportedError(
+                f"quant_model_description.json: kv_cache_type {kv!r} is not C8"
+            )
+
+    @property
+    def fa_quant_type(self) -> str | None:
+        return self.raw.get("fa_quant_type")
+
+    @property
+    def kv_cache_type(self) -> str | None:
+        return self.raw.get("kv_cache_type")
+
+    def linear_type(
+        self, prefix: str, packed: Mapping[str, Sequence[str]] | None = None
+    ) -> str:
+        """The type of the vLLM linear at ``prefix``: ``FLOAT`` when the
+        description does not name its weight. A fused layer whose last name is a
+        key of ``packed`` (``qkv_proj -> [q_proj, k_proj, v_proj]``) takes its
+        shards' common type; shards of different types raise."""
+        head, _, proj = prefix.rpartition(".")
+        shards = (packed or {}).get(proj)
+        if not shards:
+            return self.types.get(f"{prefix}.weight", "FLOAT")
+        names = [f"{head}.{s}.weight" if head else f"{s}.weight" for s in shards]
+        kinds = [self.types.get(n, "FLOAT") for n in names]
+        if len(set(kinds)) > 1:
+            listed = ", ".join(f"{n} {k}" for n, k in zip(names, kinds))
+            raise UnsupportedError(
+                f"{prefix}: vLLM fuses {', '.join(shards)} into one layer and needs "
+                f"one type for all of them, the description gives {listed}"
+            )
+        return kinds[0]
+
+    def expert_type(self, prefix: str) -> str:
+        """The common type of the routed experts under ``prefix``
+        (``...mlp.experts``): every ``<prefix>.<e>.*_proj.weight``."""
+        kinds = {
+            t
+            for n, t in self.types.items()
+            if n.startswith(prefix + ".") and n.endswith("_proj.weight")
+        }
+        if len(kinds) > 1:
+            raise UnsupportedError(
+                f"{prefix}: the experts have types {sorted(kinds)}; vLLM's FusedMoE "
+                "runs one type for all"
+            )
+        return kinds.pop() if kinds else "FLOAT"

@@ -5,6 +5,7 @@ the entry point vLLM loads, the overlay CI builds, nothing of vLLM imported by
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from ascend_fa.errors import FileFormatError, UnsupportedError
-from ascend_fa.serving.description import ServingDescription
+from ascend_fa.serving.description import ServingDescription, check_tensors
+from ascend_fa.serving.overlay import ENTRY_POINTS
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj",
@@ -108,11 +110,13 @@ def test_entry_point_and_overlay(tmp_path):
         project = tomllib.load(f)
     eps = project["project"]["entry-points"]["vllm.general_plugins"]
     assert eps == {"ascend_fa": "ascend_fa.serving:register"}
+    assert ENTRY_POINTS == {"vllm.general_plugins": eps}
     assert "ascend_fa.serving" in project["tool"]["setuptools"]["packages"]
     out = tmp_path / "overlay"
     script = ROOT / "ci" / "vllm_plugin_overlay.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(script), str(out)], capture_output=True,
-                          text=True, check=True)  # fmt: skip
+                          text=True, check=True, env=env)  # fmt: skip
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     (meta,) = out.glob("ascend_fa-*.dist-info")
     text = (meta / "entry_points.txt").read_text()
@@ -120,3 +124,53 @@ def test_entry_point_and_overlay(tmp_path):
     # the overlay's ascend_fa resolves the package-dir mapping
     for sub in ("serving", "backends", "atb_ops", "linear"):
         assert (out / "ascend_fa" / sub / "__init__.py").is_file()
+
+
+def _dtypes(desc: dict) -> dict:
+    """The weight files' dtypes matching ``_desc()``: int8 weights, fp32 rest."""
+    out = {}
+    for name in ServingDescription(desc).types:
+        out[name] = "I8" if name.endswith("_proj.weight") else "F32"
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for t in ("input_scale", "input_offset", "quant_bias"):
+            out[f"{ATTN}.{p}.{t}"] = "F32"
+    return out
+
+
+def _full_desc() -> dict:
+    d = _desc()
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for t in ("input_scale", "input_offset", "quant_bias"):
+            d[f"{ATTN}.{p}.{t}"] = "W8A8"
+    return d
+
+
+def test_check_tensors_accepts_agreeing_files():
+    d = _full_desc()
+    check_tensors(ServingDescription(d), _dtypes(d))
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda d, t: t.pop(f"{ATTN}.o_proj.deq_scale"),
+         f"{ATTN}.o_proj.deq_scale: missing from the weights"),
+        (lambda d, t: t.update({f"{ATTN}.extra": "F32"}),
+         f"{ATTN}.extra: in the weight files, not in"),
+        (lambda d, t: t.update({f"{ATTN}.o_proj.weight": "BF16"}),
+         f"{ATTN}.o_proj.weight: BF16 in the weights, quant_model_description.json "
+         "says W8A8"),
+        (lambda d, t: d.update({f"{ATTN}.o_proj.weight": "FLOAT"}),
+         f"{ATTN}.o_proj.weight: int8 in the weights"),
+        (lambda d, t: (d.pop(f"{ATTN}.o_proj.quant_bias"),
+                       t.pop(f"{ATTN}.o_proj.quant_bias")),
+         f"{ATTN}.o_proj.quant_bias: missing from the weights"),
+    ],
+)  # fmt: skip
+def test_check_tensors_names_the_disagreeing_tensor(edit, needle):
+    d = _full_desc()
+    t = _dtypes(d)
+    edit(d, t)
+    with pytest.raises(FileFormatError) as e:
+        check_tensors(ServingDescription(d), t)
+    assert needle in str(e.value) and "\n" not in str(e.value)

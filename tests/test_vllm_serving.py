@@ -431,8 +431,11 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
     cmd = [str(vllm_python), "-c", VLLM_CLI, "serve", str(artifacts["faquant"]),
            "--quantization", "ascend", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "512", "--enforce-eager"]  # fmt: skip
+    # cwd outside the checkout: `python -c` puts the cwd first on sys.path, and
+    # the checkout's bare ascend_fa/ (no backends/, atb_ops/) would shadow the
+    # overlay's
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, cwd=tmp_path)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVE_START_S

@@ -14,12 +14,11 @@ type               layers                                                   emul
 ``W8A8``           linear (static per-tensor activation, per-channel        yes
                    weight, ``deq_scale``, ``quant_bias``)
 ``W8A8_DYNAMIC``   linear, MoE experts (per-token activation)               yes
-``FAQuant``        attention (MindIE's FA3: Q/K/V int8 per head, static)    no (*)
-``C8``             KV cache (vllm-ascend's int8 per-channel cache)          no (*)
+``FAQuant``        attention (MindIE's FA3: Q/K/V int8 per head, static)    yes
+``C8``             KV cache (vllm-ascend's int8 per-channel cache)          yes
 =================  =======================================================  ========
 
-(*) loaded and checked; attention runs on vLLM's own cache (see the README's
-"Serve in vLLM").
+(see the README's "Serve in vLLM").
 """
 
 from __future__ import annotations
@@ -78,8 +77,8 @@ class ServingDescription:
         if fa == "FAKQuant":
             raise UnsupportedError(
                 "quant_model_description.json: fa_quant_type FAKQuant (MLA) is not "
-                "served by the ascend-fa vLLM plugin (vLLM's CPU platform has no MLA "
-                "attention backend)"
+                "served by the ascend-fa vLLM plugin yet (no MLA attention path; "
+                "vLLM's CPU_MLA backend is where one would go)"
             )
         kv = desc.get("kv_cache_type")
         if kv is not None and kv != "C8":

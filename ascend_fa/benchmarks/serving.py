@@ -102,7 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pythonpath",
         help="the child's PYTHONPATH (default: an overlay of this ascend_fa)",
     )
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument(
+        "--context", type=int, default=512, help="prompt tokens (--quick: <= 64)"
+    )
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--kv-space-gib", type=int, default=1)
 
@@ -169,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     new_tokens = 8 if args.quick else args.new_tokens
+    if args.quick:
+        args.context = min(args.context, 64)
     req = {
         "runs": [
             ["bf16", str(args.source), None],

@@ -148,6 +148,10 @@ def _full_desc() -> dict:
 def test_check_tensors_accepts_agreeing_files():
     d = _full_desc()
     check_tensors(ServingDescription(d), _dtypes(d))
+    # a tied head: described FLOAT, not stored (the embedding is)
+    t = _dtypes(d)
+    del t["lm_head.weight"]
+    check_tensors(ServingDescription(d), t)
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,9 @@ _NEEDS = {
     "W8A8_DYNAMIC": ("weight_scale",),
 }
 _QUANT_ONLY = ("input_scale", "input_offset", "deq_scale", "quant_bias")
+#: The description names a tied ``lm_head.weight`` that the weight files may not
+#: hold (vLLM ties it to the embedding).
+TIED_HEAD = "lm_head.weight"
 
 
 def check_tensors(desc: ServingDescription, dtypes: Mapping[str, str]) -> None:
@@ -153,6 +156,8 @@ def check_tensors(desc: ServingDescription, dtypes: Mapping[str, str]) -> None:
             raise FileFormatError(f"{name}: in the weight files, not in {where}")
     for name, kind in desc.types.items():
         if name not in dtypes:
+            if name == TIED_HEAD and kind == "FLOAT":
+                continue  # a tied head: described, stored as the embedding
             raise FileFormatError(f"{where}: {name} ({kind}) is not in the weights")
         if not name.endswith(".weight") or kind not in LINEAR_TYPES:
             continue

@@ -92,15 +92,21 @@ class AscendQuantConfig(QuantizationConfig):
         description against the weight files (:func:`.description.check_tensors`),
         then ``ascend-fa inspect``'s rules for the consumer release named by
         ``ASCEND_FA_CONSUMER`` (``<target>[@<version>]``, e.g.
-        ``vllm-ascend@0.18.0``; unset: the target the artifact records, at its
-        newest stable release)."""
+        ``vllm-ascend@0.18.0``; a target without a version: its newest stable
+        release; unset: the rules of the target the artifact records, without a
+        release's, since an artifact does not record the release it was made
+        for)."""
         from pathlib import Path
 
         if not Path(model_name).is_dir():
             return
         check_tensors(self.description, tensor_dtypes(model_name))
         target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
-        result = inspect_artifact(model_name, target or None, version or None)
+        # without a named release, the recorded target's rules but no release
+        # table: an artifact does not record the release it was written for
+        result = inspect_artifact(
+            model_name, target or None, version or None, releases=bool(target)
+        )
         if not result["valid"]:
             first = result["findings"][0] if result["findings"] else "invalid"
             where = f" for {target}{'@' + version if version else ''}" if target else ""

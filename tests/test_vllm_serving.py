@@ -24,7 +24,8 @@ logprobs (prefill and decode) equal our emulation (``artifact_model`` +
 ``reshape_and_cache``'s and a naive loop's bit for bit; the fused ``qkv_proj``
 output equals our three W8A8 linears' outputs bit for bit; the int8 cache fits
 >= 1.9x the blocks of bf16 in the same memory; bad artifacts stop at start-up
-with one line naming the tensor or rule.
+with one line naming the tensor or rule; the FAQuant artifact on the NZ cache
+layout (``ASCEND_FA_VLLM_KV_LAYOUT=nz``) gives the ND cache's outputs exactly.
 """
 
 from __future__ import annotations
@@ -184,13 +185,15 @@ def engine(vllm_python, overlay, artifacts, tmp_path_factory) -> dict:
         {"model": str(artifacts["c8"]), "quantization": "ascend",
          "probe": str(tmp / "c8.pt")},
         {"model": str(artifacts["moe"]), "quantization": "ascend"},
+        {"model": str(artifacts["faquant"]), "quantization": "ascend",
+         "env": {"ASCEND_FA_VLLM_KV_LAYOUT": "nz"}},
     ]  # fmt: skip
     bad = _bad_artifacts(artifacts, tmp)
     runs += [{"model": str(path), "quantization": "ascend", "env": env}
              for path, env, _ in bad.values()]  # fmt: skip
     with_plugin = drive(vllm_python, runs, tmp, overlay)
     plain = drive(vllm_python, runs[:1], tmp_path_factory.mktemp("plain"), None)
-    names = ["float", "faquant", "c8", "moe"]
+    names = ["float", "faquant", "c8", "moe", "faquant_nz"]
     out = dict(zip(names + list(bad), with_plugin["runs"]))
     out["bad"] = {name: needle for name, (_, _, needle) in bad.items()}
     out["float_plain"] = plain["runs"][0]
@@ -368,6 +371,13 @@ def test_fused_qkv_equals_our_linears(engine, artifacts, name):
         parts = {k[len(p) :]: v for k, v in tensors.items() if k.startswith(p)}
         outs.append(cls.from_tensors(p[:-1], parts, torch.bfloat16)(lin["x"]))
     assert torch.equal(lin["y"], torch.cat(outs, dim=-1))
+
+
+def test_nz_cache_layout_gives_the_same_outputs(engine):
+    """``ASCEND_FA_VLLM_KV_LAYOUT=nz``: the same codes in the device's
+    FRACTAL_NZ blocks, read by the same ops: outputs equal the ND cache's."""
+    assert "refused" not in engine["faquant_nz"], engine["faquant_nz"]
+    assert engine["faquant_nz"]["outputs"] == engine["faquant"]["outputs"]
 
 
 def test_int8_cache_fits_twice_the_blocks(engine):

@@ -1,0 +1,270 @@
+"""Attention of the vLLM plugin: the paged KV cache holds int8 codes, written by
+:func:`ascend_fa.attention.reshape_and_cache` (quantize on write) and read by
+:func:`~ascend_fa.attention.prefill_attention` / :func:`~ascend_fa.attention.
+paged_attention` -- the functions ``ascend-fa emulate`` runs, not a copy.
+
+==============  ================================  ===============================
+description     scales (per attention layer)      emulate mode
+==============  ================================  ===============================
+``FAQuant``     ``fa_q`` ``[H]``, ``fa_k`` /      ``faquant``: Q, K, V int8 per
+                ``fa_v`` ``[Hkv]``                head (MindIE's FA3)
+``C8``          ``k`` / ``v`` ``[Hkv, D]``        ``c8``: K, V int8 per channel,
+                                                  Q float (vllm-ascend)
+==============  ================================  ===============================
+
+The checkpoint's ``<attn>.fa_q.scale`` / ``<attn>.k_proj.kv_cache_scale`` load
+into the vLLM ``Attention`` layer as ``fa_q_scale`` / ``k_cache_scale``
+(:data:`SCALE_MAPPER`) and are checked there by the emulation's own
+:func:`~ascend_fa.emulation.scales.load_scales` (one-line errors naming the
+tensor).
+
+Cache memory. vLLM allocates each layer's cache as its CPU backend lays it out,
+``[NB, Hkv, BS, 2*D]`` in the spec's dtype; the layer's KV spec here says int8
+(:attr:`AscendAttentionMethod.create_weights` sets ``kv_cache_torch_dtype``), so a
+block takes half the bytes of bf16's and vLLM's block manager fits twice the
+blocks. The plugin reads that memory as one contiguous cache of ``2*NB`` blocks in
+ascend-fa's layout (``nd`` ``[2*NB, BS, Hkv, D]`` by default, ``nz``
+``[2*NB, Hkv*D // 32, BS, 32]`` with ``ASCEND_FA_VLLM_KV_LAYOUT=nz``): vLLM
+block ``b`` holds K in block ``2b`` and V in block ``2b + 1``. K is addressed
+through the view from block 0, V through the view from block 1, both with the
+block table ``2 * block_table``, so each is a contiguous paged cache of the ops.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+)
+
+from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
+from ascend_fa.emulation.scales import load_scales
+
+__all__ = [
+    "SCALE_MAPPER_REGEX",
+    "AscendAttentionMethod",
+    "AscendCPUAttentionBackend",
+    "AscendCPUAttentionImpl",
+    "cache_views",
+    "doubled_slots",
+]
+
+#: Checkpoint name -> vLLM Attention parameter name (regex, replacement).
+SCALE_MAPPER_REGEX = {
+    re.compile(r"\.(fa_[qkv])\.(scale|offset)$"): r".attn.\1_\2",
+    re.compile(r"\.([kv])_proj\.kv_cache_(scale|offset)$"): r".attn.\1_cache_\2",
+}
+#: description scheme -> (emulate mode, parameter names loaded)
+_MODES = {
+    "FAQuant": ("faquant", ("fa_q", "fa_k", "fa_v")),
+    "C8": ("c8", ("k_cache", "v_cache")),
+}
+LAYOUT_ENV = "ASCEND_FA_VLLM_KV_LAYOUT"
+
+
+def cache_views(
+    kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V paged caches (module doc) in vLLM's per-layer cache
+    ``kv_cache`` ``[NB, Hkv, BS, 2*D]`` int8: ``(whole[:-1], whole[1:])``, each
+    ``2*NB - 1`` blocks (the same shape, as the ops want)."""
+    if not kv_cache.is_contiguous():
+        raise ValueError("ascend-fa: vLLM's KV cache of a layer is not contiguous")
+    nb, _, bs, _ = kv_cache.shape
+    if layout == "nz":
+        width = num_kv_heads * head_size
+        whole = kv_cache.view(2 * nb, width // 32, bs, 32)
+    else:
+        whole = kv_cache.view(2 * nb, bs, num_kv_heads, head_size)
+    return whole[:-1], whole[1:]
+
+
+def doubled_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
+    """vLLM slot ``s`` -> slot of the doubled cache (block ``2 * (s // BS)``);
+    negative (padding) slots stay -1."""
+    s = slot_mapping.to(torch.int64)
+    out = (s // block_size) * (2 * block_size) + s % block_size
+    return torch.where(s >= 0, out, torch.full_like(s, -1))
+
+
+class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention impl with the cache write and the attention replaced
+    by ascend-fa's ops (the metadata is the CPU backend's)."""
+
+    ascend_mode: str = "faquant"
+    ascend_layout: str = "nd"
+
+    @classmethod
+    def adopt(cls, impl: CPUAttentionBackendImpl, mode: str, layout: str):
+        """Turn ``impl`` (built by vLLM's Attention) into this class in place."""
+        if impl.sliding_window != -1 or impl.alibi_slopes is not None:
+            raise ValueError(
+                "ascend-fa: sliding-window and ALiBi attention are not emulated "
+                "by the plugin's int8 cache"
+            )
+        impl.__class__ = cls
+        impl.ascend_mode = mode
+        impl.ascend_layout = layout
+        return impl
+
+    def _scales(self, layer) -> dict[str, torch.Tensor]:
+        return layer.ascend_kv_scales
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        kc, vc = cache_views(kv_cache, self.num_kv_heads, self.head_size,
+                             self.ascend_layout)  # fmt: skip
+        bs = kv_cache.shape[2]
+        n = slot_mapping.shape[0]
+        sc = self._scales(layer)
+        reshape_and_cache(
+            key[:n], value[:n], kc, vc, doubled_slots(slot_mapping, bs),
+            k_scale=sc["k"], v_scale=sc["v"], layout=self.ascend_layout,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        layer,
+        query,
+        key,
+        value,
+        kv_cache,
+        attn_metadata,
+        output,
+        output_scale=None,
+        output_block_scale=None,
+    ):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("ascend-fa: fused output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        kc, vc = cache_views(kv_cache, self.num_kv_heads, self.head_size,
+                             self.ascend_layout)  # fmt: skip
+        sc = self._scales(layer)
+        common = dict(
+            num_kv_heads=self.num_kv_heads, scale=self.scale, k_scale=sc["k"],
+            v_scale=sc["v"], q_scale=sc.get("q"), layout=self.ascend_layout,
+        )  # fmt: skip
+        starts = attn_metadata.query_start_loc.tolist()
+        lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        seq_lens = attn_metadata.seq_lens[: len(lens)].to(torch.int32)
+        table = (attn_metadata.block_table[: len(lens)] * 2).to(torch.int32)
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        pre = [i for i, n in enumerate(lens) if n > 1]
+        if dec:
+            rows = torch.tensor([starts[i] for i in dec])
+            out = paged_attention(
+                query[rows].contiguous(), kc, vc, table[dec].contiguous(),
+                seq_lens[dec].contiguous(), **common,
+            )  # fmt: skip
+            output[rows] = out.to(output.dtype)
+        if pre:
+            s = max(lens[i] for i in pre)
+            q = query.new_zeros(len(pre), s, self.num_heads, self.head_size)
+            for j, i in enumerate(pre):
+                q[j, : lens[i]] = query[starts[i] : starts[i + 1]]
+            qlens = torch.tensor([lens[i] for i in pre], dtype=torch.int32)
+            out = prefill_attention(
+                q, kc, vc, table[pre].contiguous(), seq_lens[pre].contiguous(),
+                query_lens=qlens, **common,
+            )  # fmt: skip
+            for j, i in enumerate(pre):
+                output[starts[i] : starts[i + 1]] = out[j, : lens[i]].to(output.dtype)
+        return output
+
+
+class AscendCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU backend (its metadata builder) with :class:`AscendCPUAttention
+    Impl`; given to the layers the plugin quantizes, not registered globally."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls():
+        return AscendCPUAttentionImpl
+
+
+class AscendAttentionMethod(BaseKVCacheMethod):
+    """The quant method of an ``Attention`` layer of an FAQuant / C8 artifact:
+    loads the scales, switches the layer to the int8 cache and ascend-fa's ops."""
+
+    def __init__(self, quant_config, scheme: str):
+        super().__init__(quant_config)
+        self.mode, self.names = _MODES[scheme]
+        self.scheme = scheme
+
+    def create_weights(self, layer) -> None:
+        super().create_weights(layer)
+        layout = os.environ.get(LAYOUT_ENV, "nd").strip().lower() or "nd"
+        if layout not in ("nd", "nz"):
+            raise ValueError(f"{LAYOUT_ENV}={layout!r}: expected nd or nz")
+        layer.ascend_loaded = {}
+        for base in self.names:
+            for kind in ("scale", "offset"):
+                p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+                p.weight_loader = _store(layer, f"{base}_{kind}")
+                layer.register_parameter(f"{base}_{kind}", p)
+        AscendCPUAttentionImpl.adopt(layer.impl, self.mode, layout)
+        layer.attn_backend = AscendCPUAttentionBackend
+        layer.kv_cache_torch_dtype = torch.int8
+
+    def process_weights_after_loading(self, layer) -> None:
+        super().process_weights_after_loading(layer)
+        attn = layer.layer_name.removesuffix(".attn")
+        got = layer.ascend_loaded
+        missing = [f"{attn}.{n}" for n in _checkpoint_names(self.names) if
+                   _param_name(n) not in got]  # fmt: skip
+        if missing:
+            raise ValueError(
+                f"{missing[0]}: missing from the checkpoint ({self.scheme} "
+                "attention needs it)"
+            )
+        if self.mode == "c8":
+            entry = {s: got[f"{s}_cache_scale"] for s in ("k", "v")}
+            for s in ("k", "v"):
+                if bool(got[f"{s}_cache_offset"].float().any()):
+                    raise ValueError(
+                        f"{attn}.{s}_proj.kv_cache_offset: non-zero; the int8 cache "
+                        "is symmetric (offset 0)"
+                    )
+        else:
+            entry = {b: (got[f"{b}_scale"], got[f"{b}_offset"]) for b in self.names}
+        (scales,) = load_scales(
+            {attn: entry}, mode=self.mode, layer_names=[attn],
+            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_size,
+        )  # fmt: skip
+        layer.ascend_kv_scales = scales
+        for base in self.names:
+            for kind in ("scale", "offset"):
+                delattr(layer, f"{base}_{kind}")
+        del layer.ascend_loaded
+
+
+def _store(layer, name: str):
+    def load(param, loaded, *args, **kwargs):
+        layer.ascend_loaded[name] = loaded.detach().clone()
+
+    return load
+
+
+def _param_name(checkpoint: str) -> str:
+    # "fa_q.scale" -> "fa_q_scale"; "k_proj.kv_cache_scale" -> "k_cache_scale"
+    return checkpoint.replace("_proj.kv", "").replace(".", "_")
+
+
+def _checkpoint_names(names: tuple[str, ...]) -> list[str]:
+    out = []
+    for base in names:
+        for kind in ("scale", "offset"):
+            if base.startswith("fa_"):
+                out.append(f"{base}.{kind}")
+            else:
+                out.append(f"{base[0]}_proj.kv_cache_{kind}")
+    return out

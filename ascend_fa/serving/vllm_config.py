@@ -1,0 +1,151 @@
+"""The ``"ascend"`` quantization method of vLLM, registered by
+:func:`ascend_fa.serving.register` (this module imports vLLM; nothing in
+``import ascend_fa`` imports it).
+
+vLLM's ``get_quant_config`` reads :meth:`AscendQuantConfig.get_config_filenames`
+(``quant_model_description.json``) from the model directory, as vllm-ascend's
+``AscendModelSlimConfig`` does (vllm-project/vllm-ascend
+``vllm_ascend/quantization/modelslim_config.py``); the artifact's config.json
+carries no ``quantization_config``. At start-up :meth:`AscendQuantConfig.
+maybe_update_config` checks the artifact with ``ascend-fa inspect``'s rules
+(:func:`ascend_fa.artifact.inspect.inspect_artifact`) and stops on the first
+finding, one line naming the tensor or rule.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.models.utils import WeightsMapper
+
+from ascend_fa.artifact.format import DESCRIPTION_FILE
+from ascend_fa.artifact.inspect import inspect_artifact
+from ascend_fa.errors import UnsupportedError
+
+from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
+from .description import ServingDescription, check_tensors, tensor_dtypes
+from .experts import AscendW8A8DynamicMoEMethod
+from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
+
+__all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
+
+#: The method name (vllm-ascend's ``ASCEND_QUANTIZATION_METHOD``).
+QUANT_METHOD = "ascend"
+
+#: Names the consumer release whose loading rules the artifact must meet.
+CONSUMER_ENV = "ASCEND_FA_CONSUMER"
+
+_LINEAR_METHODS = {
+    "W8A8": AscendW8A8LinearMethod,
+    "W8A8_DYNAMIC": AscendW8A8DynamicLinearMethod,
+}
+
+
+@register_quantization_config(QUANT_METHOD)
+class AscendQuantConfig(QuantizationConfig):
+    """An artifact's ``quant_model_description.json`` as vLLM's quantization
+    config: each layer's method from its description type
+    (:meth:`ServingDescription.linear_type`)."""
+
+    # the attention scales are loaded as named below, not as vLLM's q/k/v_scale
+    _ignore_unexpected_suffixes = ()
+
+    def __init__(self, description: ServingDescription):
+        super().__init__()
+        self.description = description
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return [DESCRIPTION_FILE]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AscendQuantConfig:
+        return cls(ServingDescription(config))
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
+        """Start-up checks of a local artifact, each stopping with one line: the
+        description against the weight files (:func:`.description.check_tensors`),
+        then ``ascend-fa inspect``'s rules for the consumer release named by
+        ``ASCEND_FA_CONSUMER`` (``<target>[@<version>]``, e.g.
+        ``vllm-ascend@0.18.0``; a target without a version: its newest stable
+        release; unset: the rules of the target the artifact records, without a
+        release's, since an artifact does not record the release it was made
+        for)."""
+        from pathlib import Path
+
+        if not Path(model_name).is_dir():
+            return
+        check_tensors(self.description, tensor_dtypes(model_name))
+        target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
+        # without a named release, the recorded target's rules but no release
+        # table: an artifact does not record the release it was written for
+        result = inspect_artifact(
+            model_name, target or None, version or None, releases=bool(target)
+        )
+        if not result["valid"]:
+            first = result["findings"][0] if result["findings"] else "invalid"
+            where = f" for {target}{'@' + version if version else ''}" if target else ""
+            raise ValueError(f"{model_name}: not loadable{where}: {first}")
+
+    def get_cache_scale_mapper(self) -> WeightsMapper:
+        """FA scales ``<attn>.fa_q.scale`` load as ``<attn>.attn.fa_q_scale``;
+        C8 ``<attn>.k_proj.kv_cache_scale`` as ``<attn>.attn.k_cache_scale``
+        (:data:`.attention.SCALE_MAPPER_REGEX`)."""
+        return WeightsMapper(orig_to_new_regex=SCALE_MAPPER_REGEX)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, LinearBase):
+            kind = self.description.linear_type(prefix, self.packed_modules_mapping)
+            method = _LINEAR_METHODS.get(kind)
+            return UnquantizedLinearMethod() if method is None else method()
+        if isinstance(layer, VocabParallelEmbedding):
+            return UnquantizedEmbeddingMethod()
+        if isinstance(layer, RoutedExperts):
+            kind = self.description.expert_type(prefix)
+            if kind == "W8A8_DYNAMIC":
+                return AscendW8A8DynamicMoEMethod(layer.moe_config)
+            if kind != "FLOAT":
+                raise UnsupportedError(
+                    f"{prefix}: {kind} MoE experts are not served by the ascend-fa "
+                    "vLLM plugin (W8A8_DYNAMIC or FLOAT experts only)"
+                )
+            return None
+        if isinstance(layer, Attention):
+            scheme = self.attention_scheme()
+            return None if scheme is None else AscendAttentionMethod(self, scheme)
+        return None
+
+    def attention_scheme(self) -> str | None:
+        """``"FAQuant"``, ``"C8"`` or None (float attention on vLLM's cache)."""
+        d = self.description
+        if d.fa_quant_type == "FAQuant" and d.kv_cache_type == "C8":
+            raise ValueError(
+                "quant_model_description.json: fa_quant_type FAQuant and "
+                "kv_cache_type C8 together; an artifact deploys one of them"
+            )
+        return d.fa_quant_type or d.kv_cache_type

@@ -165,7 +165,12 @@ CASES = [
     ("0.23.0.post1", "C8", "LlamaForCausalLM", "c8.unpatched-arch"),
     ("0.23.0.post1", "C8", "MistralForCausalLM", "c8.unpatched-arch"),
     ("0.23.0.post1", "C8", "Qwen2ForCausalLM", "c8.unpatched-arch"),
-    ("0.23.0.post1", "C8", "Qwen3MoeForCausalLM", "c8.unpatched-arch"),
+    # the real loader (tests/test_vllm_ascend_loader.py): scales dropped silently
+    ("0.23.0.post1", "C8", "Qwen3MoeForCausalLM", "c8.moe-scales-dropped"),
+    ("0.18.0", "C8", "MixtralForCausalLM", "c8.first-value"),
+    ("0.18.0", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
+    ("0.23.0.post1", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
+    ("main", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
     ("0.23.0.post1", "FAKQuant", "DeepseekV3ForCausalLM", None),
     ("0.25.1rc1", "C8", "LlamaForCausalLM", None),
     ("0.25.1rc1", "C8", "Qwen2ForCausalLM", None),

@@ -145,6 +145,8 @@ SUBMODULES: dict[str, dict] = {
         "_NPUTaskGroupHandle": refused_class("torch_npu._C._NPUTaskGroupHandle"),
     },
     "torch_npu._C._distributed_c10d": {"ProcessGroupHCCL": _ProcessGroupHCCL},
+    # vllm-ascend 0.13 utils.py: from torch_npu.npu.streams import Event
+    "torch_npu.npu.streams": {"Event": refused_class("torch_npu.npu.streams.Event")},
 }
 
 #: The top-level attributes besides the NPU ops.

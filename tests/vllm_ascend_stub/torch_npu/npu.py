@@ -8,6 +8,9 @@ import sys
 
 import torch
 
+#: a package, for the stand-in's ``torch_npu.npu.*`` submodules
+__path__: list[str] = []
+
 
 def current_device() -> torch.device:
     """The host: tensors the loading path creates on "the current NPU"

@@ -168,6 +168,7 @@ CASES = [
     # the real loader (tests/test_vllm_ascend_loader.py): scales dropped silently
     ("0.23.0.post1", "C8", "Qwen3MoeForCausalLM", "c8.moe-scales-dropped"),
     ("0.18.0", "C8", "MixtralForCausalLM", "c8.first-value"),
+    ("0.18.0", "C8", "Qwen3MoeForCausalLM", "c8.qwen3-moe-scalar"),
     ("0.18.0", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
     ("0.23.0.post1", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
     ("main", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),

@@ -53,6 +53,25 @@ LOADER_RULES: tuple[Rule, ...] = (
         ),
     ),
     Rule(
+        "c8.qwen3-moe-scalar",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0",),
+        frozenset({"Qwen3MoeForCausalLM"}),
+        False,
+        "Qwen3MoeModel.load_weights takes each scale that get_cache_scale maps "
+        "for a per-tensor KV scale and raises AssertionError 'KV scale numel "
+        "<Hkv*D> != 1' (the real loader)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_moe.py",
+                "v0.18.0",
+                "Qwen3MoeModel.load_weights L558",
+            ),
+        ),
+    ),
+    Rule(
         "c8.moe-scales-dropped",
         "vllm-ascend",
         "C8",

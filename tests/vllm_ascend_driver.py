@@ -13,8 +13,10 @@ builds vllm-ascend's ``AscendModelSlimConfig`` from
 ``quant_model_description.json``), then vLLM's default loader's own steps on the
 CPU: the model class built under that config (``get_quant_method`` /
 ``create_weights`` per layer), ``load_weights`` over the safetensors, and
-``process_weights_after_loading``. Between the last two every quantized tensor of
-the file is looked up in the consumer's parameters (:func:`landed`).
+``process_weights_after_loading``, after what vllm-ascend's ``NPUWorker`` does
+first (its module imported, its patches applied, :func:`_worker_prelude`).
+Between the last two every quantized tensor of the file is looked up in the
+consumer's parameters (:func:`landed`).
 
 Output (the last stdout line): ``{"vllm": version, "vllm_ascend": version,
 "results": [{"artifact": DIR, "loaded": bool, "error": "Type: message" | null,
@@ -90,13 +92,24 @@ def _distributed(config) -> None:
     ascend_groups.init_ascend_model_parallel(config.parallel_config)
 
 
+def _worker_module(config) -> str:
+    """The module of the worker class vLLM instantiates for this config."""
+    return config.parallel_config.worker_cls.rpartition(".")[0]
+
+
 def _worker_prelude(config) -> None:
     """What vllm-ascend's ``NPUWorker.__init__`` does before the model loads, less
     the device: its worker patches (``adapt_patch()``: the C8 ``load_weights``
     patches live there), its custom ops registered for the config, its config."""
+    import importlib
+
     import vllm_ascend.utils as utils
     from vllm_ascend.ascend_config import init_ascend_config
 
+    # vLLM resolves the platform's worker class by its qualified name, so the
+    # worker module (and what it imports) is loaded before NPUWorker.__init__
+    # applies the patches; some patches act on modules already imported then
+    importlib.import_module(_worker_module(config))
     utils.adapt_patch()
     utils.register_ascend_customop(config)
     init_ascend_config(config)

@@ -145,6 +145,23 @@ SUBMODULES: dict[str, dict] = {
         "_NPUTaskGroupHandle": refused_class("torch_npu._C._NPUTaskGroupHandle"),
     },
     "torch_npu._C._distributed_c10d": {"ProcessGroupHCCL": _ProcessGroupHCCL},
+    # vllm-ascend's worker module: the ATB extension registration (refused when
+    # called: the stand-in runs no ATB op) and the profiler
+    "torch_npu.op_plugin": {},
+    "torch_npu.op_plugin.atb": {},
+    "torch_npu.op_plugin.atb._atb_ops": {
+        "_register_atb_extensions": _refusing_op("_register_atb_extensions"),
+    },
+    "torch_npu.profiler": {},
+    "torch_npu.profiler.dynamic_profile": {},
+    # the model runner sets allow_internal_format = True at import (NZ casts)
+    "torch_npu.npu.config": {"allow_internal_format": False},
+    # the device allocator's annotations (sleep mode only)
+    "torch_npu.npu.memory": {
+        "NPUPluggableAllocator": refused_class(
+            "torch_npu.npu.memory.NPUPluggableAllocator"
+        ),
+    },
     # vllm-ascend 0.13 utils.py: from torch_npu.npu.streams import Event
     "torch_npu.npu.streams": {"Event": refused_class("torch_npu.npu.streams.Event")},
 }

@@ -70,10 +70,22 @@ CASES = {
     "qwen2_moe_dyn": ("qwen2_moe", ("--linear", "w8a8_dynamic")),
     "mixtral_dyn": ("mixtral", ("--linear", "w8a8_dynamic")),
     "deepseek_v3_fak": ("deepseek_v3", ()),
+    # C8 merged into msModelSlim's own W8A8_DYNAMIC export (its saver, run here)
+    "qwen3_merge_dyn": ("qwen3_untied", ("--merge-into", "{export}")),
 }
 #: Where our verdict and the real loader's are known to differ, with what is
 #: known (README "Consumer releases: the real loader"); strict: a fix shows.
-OPEN: dict[tuple[str, str], str] = {}
+_MERGE_OPEN = (
+    "the export msModelSlim's saver writes here carries W8A8_DYNAMIC weight_scale "
+    "/ weight_offset of shape [N, 1, 1]; --merge-into copies them and inspect "
+    "finds the artifact valid, but vLLM's RowParallelLinear.weight_loader "
+    "asserts the [N, 1] shape (AssertionError, linear.py L1525 at v0.23.0): "
+    "not yet checked by inspect / --merge-into"
+)
+OPEN: dict[tuple[str, str], str] = {
+    ("qwen3_merge_dyn", "0.23.0.post1"): _MERGE_OPEN,
+    ("qwen3_merge_dyn", "0.18.0"): _MERGE_OPEN,
+}
 
 
 def _in_ci() -> bool:
@@ -101,6 +113,10 @@ def _sources(root: Path) -> dict[str, Path]:
 
     bf16 = torch.bfloat16
     out = {f: save_tiny(root / f, f, dtype=bf16) for f in ("llama", "qwen2", "qwen3")}
+    # msModelSlim's saver refuses tied embeddings (shared tensors)
+    out["qwen3_untied"] = save_tiny(
+        root / "qwen3_untied", "qwen3", dtype=bf16, tie_word_embeddings=False
+    )
     for f in ("qwen3_moe", "qwen2_moe", "mixtral"):
         out[f] = save_tiny_moe(root / f, f)
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts; real
@@ -120,6 +136,13 @@ def _sources(root: Path) -> dict[str, Path]:
 
 def _calibrate(src: Path, out: Path, calib: Path, *extra: str) -> int:
     from ascend_fa.cli import main
+
+    export = src.parent.parent / "export"
+    if "{export}" in extra and not export.exists():
+        from msmodelslim_saver import genuine_export
+
+        genuine_export(export, src, quant_type="W8A8_DYNAMIC", part_file_size=0)
+    extra = tuple(str(export) if a == "{export}" else a for a in extra)
 
     argv = ["calibrate", "--model", str(src), "--calib-data", str(calib)]
     argv += ["--num-samples", "4", "--max-length", "16", "--batch-size", "2"]
@@ -195,9 +218,10 @@ def test_our_verdict_is_the_real_loaders(name, loaded, artifacts, tmp_path, caps
 
     release, out = loaded
     (result,) = [r for r in out["results"] if Path(r["artifact"]).name == name]
-    if (name, release) in OPEN:
-        pytest.xfail(OPEN[(name, release)])
     verdict = real_verdict(result)
+    if (name, release) in OPEN:  # strict: a fix must remove the entry
+        assert verdict == "error" and "AssertionError" in result["error"], result
+        pytest.xfail(OPEN[(name, release)])
     path = artifacts["paths"][name]
     argv = ["inspect", str(path), "--target", "vllm-ascend"]
     rc = main([*argv, "--consumer-version", release])

@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from builders import (  # noqa: E402
     quantize_linears,
     save_tiny,
+    save_tiny_moe,
     tiny_deepseek,
 )
 
@@ -165,7 +166,13 @@ CASES = [
     ("0.23.0.post1", "C8", "LlamaForCausalLM", "c8.unpatched-arch"),
     ("0.23.0.post1", "C8", "MistralForCausalLM", "c8.unpatched-arch"),
     ("0.23.0.post1", "C8", "Qwen2ForCausalLM", "c8.unpatched-arch"),
-    ("0.23.0.post1", "C8", "Qwen3MoeForCausalLM", "c8.unpatched-arch"),
+    # the real loader (tests/test_vllm_ascend_loader.py): scales dropped silently
+    ("0.23.0.post1", "C8", "Qwen3MoeForCausalLM", "c8.moe-scales-dropped"),
+    ("0.18.0", "C8", "MixtralForCausalLM", "c8.first-value"),
+    ("0.18.0", "C8", "Qwen3MoeForCausalLM", "c8.qwen3-moe-scalar"),
+    ("0.18.0", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
+    ("0.23.0.post1", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
+    ("main", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
     ("0.23.0.post1", "FAKQuant", "DeepseekV3ForCausalLM", None),
     ("0.25.1rc1", "C8", "LlamaForCausalLM", None),
     ("0.25.1rc1", "C8", "Qwen2ForCausalLM", None),
@@ -449,3 +456,53 @@ def test_one_commit_per_consumer_across_the_package():
     for module in (consumers, targets):
         text = pyinspect.getsource(module)
         assert mindie[:8] in text and main_row[:8] in text, module.__name__
+
+
+# -- quantized routed experts of Mixtral / Qwen2-MoE --------------------------------
+@pytest.mark.parametrize(
+    "model_type,key",
+    [
+        ("mixtral", "model.layers.0.block_sparse_moe.experts.weight"),
+        ("qwen2_moe", "model.layers.0.mlp.experts.weight"),
+    ],
+)
+def test_quantized_experts_are_refused_on_every_vllm_ascend_release(
+    model_type, key, data, tmp_path, capsys
+):
+    """vllm-ascend maps no ``experts`` for these models (the real loader raises
+    KeyError building the model): calibrate refuses before any work, one line,
+    nothing written; --linear none is let through to the C8 rules."""
+    src = save_tiny_moe(tmp_path / "src", model_type)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    for version in ("0.13.0", "0.18.0", "0.23.0.post1", "0.25.1rc1", "main"):
+        argv = ["--target", VA, "--consumer-version", version]
+        rc = run_calibrate(src, out, data, *argv, "--linear", "w8a8_dynamic")
+        line = one_line_error(capsys, rc)
+        assert "[linears.experts-unmapped]" in line and f"KeyError '{key}'" in line
+        assert f"vllm-ascend {version} cannot load quantized routed experts" in line
+        assert "modelslim_config.py" in line and not out.exists()
+    argv = ["--target", VA, "--consumer-version", "main", "--linear", "none"]
+    rc = run_calibrate(src, out, data, *argv)  # mixtral C8 loads; qwen2_moe's not
+    assert rc == (0 if model_type == "mixtral" else 2)
+    assert "experts-unmapped" not in capsys.readouterr().err
+
+
+def test_inspect_reports_quantized_experts(data, tmp_path, capsys, monkeypatch):
+    """An artifact whose description marks Mixtral's experts quantized (written
+    with the release check lifted) is invalid for every vllm-ascend release."""
+    from ascend_fa.calibration import plan as plan_module
+
+    src = save_tiny_moe(tmp_path / "src", "mixtral")
+    out = tmp_path / "art"
+    checks = list(plan_module.PREFLIGHT_CHECKS)
+    checks.remove(plan_module.check_consumer_release)
+    monkeypatch.setattr(plan_module, "PREFLIGHT_CHECKS", checks)
+    argv = ["--target", VA, "--consumer-version", "main", "--linear", "w8a8_dynamic"]
+    assert run_calibrate(src, out, data, *argv) == 0
+    capsys.readouterr()
+    for version in ("0.18.0", "main"):
+        rep = inspect_artifact(out, target=VA, consumer_version=version)
+        lines = [f for f in rep["findings"] if "[linears.experts-unmapped]" in f]
+        assert not rep["valid"] and len(lines) == 1, rep["findings"]
+        assert "block_sparse_moe.experts.weight" in lines[0]

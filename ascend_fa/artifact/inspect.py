@@ -58,6 +58,7 @@ from .format import (
     is_msmodelslim_type,
 )
 from .reader import read_tensor_index, weight_files
+from .release_loader import expert_linear_refusal
 from .releases import (
     architecture,
     release_findings,
@@ -428,6 +429,15 @@ def _release_checks(
     scheme, arch = release_scheme(target, view.mla, fa), architecture(config)
     findings.extend(release_findings(target, release, scheme, arch))
     result["notes"] = release_notes(target, release, scheme, arch)
+    experts = [
+        k
+        for k, v in (view.desc or {}).items()
+        if ".experts." in k and k.endswith(".weight") and v not in ("FLOAT", None)
+    ]
+    if release is not None and experts:
+        block = experts[0].split(".experts.")[0].rpartition(".")[2]
+        line = expert_linear_refusal(release.target, release.name, arch, block)
+        findings.extend([line] if line else [])
 
 
 def natural_key(name: str) -> list[Any]:

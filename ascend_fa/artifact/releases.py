@@ -14,12 +14,15 @@ vllm-ascend        nothing quantized in attention        C8 for every GQA model
                                                          latent cache stays bf16,
                                                          silently)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral /
-0.18.x (0.18.0)    FAKQuant                              Qwen2 (one scale kept for
-                                                         every channel, then a
-                                                         RuntimeError) and others
+0.18.x (0.18.0)    FAKQuant                              Qwen2 / Mixtral (one scale
+                                                         kept for every channel,
+                                                         silently), Qwen2-MoE
+                                                         (KeyError) and others
 vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
 0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
-(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``)
+(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``);
+                                                         Qwen3-MoE (scales dropped,
+                                                         silently)
 vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausalLM``
 0.25.1rc1, main    loads through ``AutoWeightsLoader``   (its C8 attention applies no
                    (``get_cache_scale_mapper``);         sliding window: wrong past
@@ -31,6 +34,12 @@ MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-N
                    mixtral, glm4_moe: no FA3) and        FAKQuant for DeepSeek-V3.2;
                    DeepSeek-V3.2 (:mod:`.mindie_models`) ``model_quant_type`` float
 =================  ====================================  ===========================
+
+Every vllm-ascend release: quantized routed experts of Mixtral / Qwen2-MoE
+(KeyError ``...experts.weight``, :mod:`.release_loader`) and C8 for Qwen2-MoE.
+Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0) are
+marked "the real loader" in their rule (:mod:`.release_loader`); the others come
+from reading the code at the cited commit.
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
 ``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which
@@ -61,6 +70,7 @@ from ascend_fa.errors import InputError, UnsupportedError
 from ascend_fa.families import reads_fa
 
 from .release_dsa import DSA_RULES
+from .release_loader import LOADER_RULES
 from .release_types import MAIN as _MAIN
 from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
 from .release_types import MINDIE300 as _MINDIE300
@@ -143,7 +153,7 @@ _GQA_C8_PATCHED = frozenset(
     {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
 _FIRST_INDEX_LOADERS = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
 #: MindIE 3.0.0: no model (.mindie_models), and the MoE models without FA3
@@ -165,6 +175,7 @@ _MINDIE_MOE = frozenset(
 )
 RULES: tuple[Rule, ...] = (
     *DSA_RULES,
+    *LOADER_RULES,
     Rule(
         "c8.unknown",
         "vllm-ascend",
@@ -204,9 +215,9 @@ RULES: tuple[Rule, ...] = (
         ("0.18.0",),
         _FIRST_INDEX_LOADERS,
         False,
-        "loads only loaded_weight[0] of each per-channel scale (one scale for "
-        "every channel), which its C8 attention then cannot view as "
-        "[1, Hkv, 1, D] (a RuntimeError on its first forward)",
+        "loads without an error, but keeps only loaded_weight[0] of each "
+        "per-channel scale and offset (a scalar parameter: one scale for every "
+        "channel; the real loader)",
         (
             Citation(
                 VLLM,
@@ -224,6 +235,7 @@ RULES: tuple[Rule, ...] = (
                 "_prepare_c8_scales",
             ),
         ),
+        silent=True,
     ),
     Rule(
         "c8.qwen3-only",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ascend_fa import parallel
-from ascend_fa.errors import InputError
+from ascend_fa.errors import InputError, UnsupportedError
 from ascend_fa.families import is_mla
 
 from .arguments import (
@@ -272,6 +272,8 @@ def check_consumer_release(plan: CalibrationPlan) -> None:
     model; otherwise one line naming the first release that does."""
     from ascend_fa import artifact
 
+    # the model is built (its experts' quant methods) before any weight loads
+    check_expert_linears(plan)
     artifact.check_release(
         plan.target, plan.consumer_version, plan.model, plan.gguf_file
     )
@@ -284,7 +286,6 @@ def check_mindie_family(plan: CalibrationPlan) -> None:
     included); only a research run (``--dtype fp32``, which no MindIE loads)
     writes its layout, and ``inspect --target mindie`` refuses that artifact."""
     from ascend_fa import artifact
-    from ascend_fa.errors import UnsupportedError
 
     if plan.target != "mindie" or not plan.source_config:
         return
@@ -297,6 +298,27 @@ def check_mindie_family(plan: CalibrationPlan) -> None:
     )
     if line:
         raise UnsupportedError(line)
+
+
+def check_expert_linears(plan: CalibrationPlan) -> None:
+    """Quantized linears quantize the routed experts too; a vllm-ascend release
+    that cannot load them for this architecture is refused in one line
+    (:func:`ascend_fa.artifact.release_loader.expert_linear_refusal`)."""
+    from ascend_fa.artifact.release_loader import expert_linear_refusal
+    from ascend_fa.artifact.releases import architecture, resolve_release
+    from ascend_fa.families import moe_layout
+
+    if plan.linear_type == "FLOAT" or plan.merge or not plan.source_config:
+        return
+    release = resolve_release(plan.target, plan.consumer_version)
+    if release is None:
+        return
+    layout = moe_layout(plan.source_config.get("model_type"))
+    block = layout.checkpoint_block if layout is not None else None
+    arch = architecture(plan.source_config)
+    line = expert_linear_refusal(release.target, release.name, arch, block)
+    if line:
+        raise UnsupportedError(f"--consumer-version {release.name}: {line}")
 
 
 def check_transforms_merge(plan: CalibrationPlan) -> None:

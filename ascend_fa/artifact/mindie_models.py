@@ -55,8 +55,30 @@ from typing import Any
 
 from .release_types import MINDIE, MINDIE300, Citation
 
+#: MindIE 3.0.0 architectures with no model at all (the release table's
+#: ``mindie.no-model`` rule)
+MINDIE_NO_MODEL = frozenset(
+    {
+        "MiniMaxM2ForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Gemma3ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+    }
+)
+#: MindIE 3.0.0 MoE architectures whose model builds no FA3 (``mindie.fa3.moe``)
+MINDIE_MOE_NO_FA3 = frozenset(
+    {
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "Glm4MoeForCausalLM",
+    }
+)
+
 __all__ = [
     "MINDIE_MODELS",
+    "MINDIE_MOE_NO_FA3",
+    "MINDIE_NO_MODEL",
     "MindieModel",
     "mindie_config",
     "mindie_findings",

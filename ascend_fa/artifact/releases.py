@@ -69,6 +69,7 @@ from typing import Any
 from ascend_fa.errors import InputError, UnsupportedError
 from ascend_fa.families import reads_fa
 
+from .mindie_models import MINDIE_MOE_NO_FA3, MINDIE_NO_MODEL
 from .release_dsa import DSA_RULES
 from .release_loader import LOADER_RULES
 from .release_types import MAIN as _MAIN
@@ -156,23 +157,6 @@ _FIRST_INDEX_LOADERS = frozenset(
     {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
-#: MindIE 3.0.0: no model (.mindie_models), and the MoE models without FA3
-_MINDIE_NONE = frozenset(
-    {
-        "MiniMaxM2ForCausalLM",
-        "Qwen3NextForCausalLM",
-        "Gemma3ForCausalLM",
-        "GlmMoeDsaForCausalLM",
-    }
-)
-_MINDIE_MOE = frozenset(
-    {
-        "Qwen2MoeForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "MixtralForCausalLM",
-        "Glm4MoeForCausalLM",
-    }
-)
 RULES: tuple[Rule, ...] = (
     *DSA_RULES,
     *LOADER_RULES,
@@ -409,7 +393,7 @@ RULES: tuple[Rule, ...] = (
         "mindie",
         "*",
         ("3.0.0",),
-        _MINDIE_NONE,
+        MINDIE_NO_MODEL,
         True,
         "MindIE has no model for this architecture (no atb_llm/models nor "
         "mindie_llm/runtime/models folder: NotImplementedError 'unsupported model "
@@ -436,7 +420,7 @@ RULES: tuple[Rule, ...] = (
         "mindie",
         "FAQuant",
         ("3.0.0",),
-        _MINDIE_MOE,
+        MINDIE_MOE_NO_FA3,
         False,
         "the MoE models build no FA3 (no enableFA3; qwen2_moe / qwen3_moe never "
         "read the description): the fa_* tensors go unused while mixtral and "

@@ -322,8 +322,16 @@ def int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ``|sum| <= 65535 * 2**14 < 2**30``). On the CPU an int8 GEMM
     (``torch._int_mm``, int32 accumulation) where it is the faster of the two
     (:func:`_cpu_int_mm_faster`); elsewhere, or where a torch build lacks it for
-    these operands, fp32 GEMMs over exact K chunks."""
-    if x_q.device.type == "cpu" and hasattr(torch, "_int_mm") and _cpu_int_mm_faster():
+    these operands, fp32 GEMMs over exact K chunks. ``K == 1`` always takes the
+    chunks: torch 2.13's ``_int_mm`` returns garbage for it on AMX CPUs (measured
+    on Intel Xeon with AMX: every ``[M > 1, 1] x [1, N]`` product of 3000 random
+    shapes wrong, every K >= 2 right)."""
+    if (
+        x_q.device.type == "cpu"
+        and x_q.shape[1] > 1
+        and hasattr(torch, "_int_mm")
+        and _cpu_int_mm_faster()
+    ):
         try:
             return torch._int_mm(x_q, weight.t())
         except (RuntimeError, NotImplementedError):

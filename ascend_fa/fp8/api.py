@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .convert import ShardTask, run_conversion
 from .errors import FP8ConversionError, FP8FormatError, FP8InputError
-from .output import MANIFEST_NAME, prepare_output, write_new_json
+from .output import MANIFEST_NAME, prepare_output, verify_finished, write_new_json
 from .safetensors_io import ShardHeader, TensorEntry, read_tensor
 from .selection import (
     DEFAULT_IGNORE,
@@ -122,6 +122,7 @@ def quantize_checkpoint(
     block = check_block(block_size)
     inp, output = Path(input_dir), Path(output_dir)
     ckpt = open_checkpoint(inp)
+    verify_finished(inp)  # a finished output of ours: its shards as written
     if ckpt.config and ckpt.config.get("quantization_config"):
         qc = ckpt.config["quantization_config"]
         raise FP8InputError(
@@ -304,6 +305,7 @@ def dequantize_checkpoint(
         )
     inp, output = Path(input_dir), Path(output_dir)
     ckpt = open_checkpoint(inp)
+    verify_finished(inp)  # a finished output of ours: its shards as written
     plan = plan_dequantize(ckpt)
     where = ckpt.locate()
     if plan.unscaled_codes and not allow_missing_scale:
@@ -370,8 +372,9 @@ def dequantize_checkpoint(
         if ckpt.config is None:
             return
         cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-        keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
-        for k in keys:
+        # torch_dtype always (what MindIE and transformers-4 readers take), and a
+        # transformers-5 config's dtype as well
+        for k in ("torch_dtype", *(["dtype"] if "dtype" in cfg else [])):
             cfg[k] = dtype
         write_new_json(dest / CONFIG_NAME, cfg)
 

@@ -458,3 +458,57 @@ def test_load_report_is_not_printed_before_the_error(setup, tmp_path, capsys, ho
     line = one_line(capsys, rc, 2, "calibrate", str(src), name)
     assert "LOAD REPORT" not in line
     assert not out.exists()
+
+
+# -- the config rules one by one (the function the loader and calibrate call) ------
+
+
+def _tf4_llama() -> dict:
+    from builders import TF4_LLAMA3_CONFIG
+
+    return json.loads(json.dumps(TF4_LLAMA3_CONFIG))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"indexer_types": ["full"]}, "indexer_types is ['full'], 1 entries"),
+        ({"layer_types": "full_attention"}, "expected a list of strings"),
+        ({"mlp_only_layers": [5]}, "mlp_only_layers is [5]"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 0}}, "factor is 0"),
+        ({"rope_scaling": "linear"}, "rope_scaling is 'linear'"),
+        ({"n_shared_experts": -1}, "n_shared_experts is -1"),
+        ({"num_hidden_layers": True}, "num_hidden_layers is True"),
+        ({"num_hidden_layers": 2.0}, "num_hidden_layers is 2.0"),
+        ({"rope_theta": float("inf")}, "rope_theta is inf"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+            "rope_theta is 500000.0, but rope_parameters.rope_theta is 10000.0",
+        ),
+        ({"text_config": {"head_dim": -4}}, "text_config.head_dim is -4"),
+        ({"num_experts": 2, "num_experts_per_tok": 3}, "more than the 2 routed"),
+    ],
+)
+def test_config_rules(tmp_path, change, message):
+    from ascend_fa.config_checks import check_model_config
+    from ascend_fa.errors import FileFormatError
+
+    cfg = {**_tf4_llama(), **change}
+    with pytest.raises(FileFormatError) as info:
+        check_model_config(cfg, tmp_path / "config.json")
+    text = str(info.value)
+    assert message in text and "config.json" in text and "\n" not in text
+
+
+def test_config_rules_accept_real_configs(tmp_path):
+    from builders import DEEPSEEK_TINY, TF4_QWEN3_CONFIG
+
+    from ascend_fa.config_checks import check_model_config
+
+    check_model_config(_tf4_llama(), tmp_path / "config.json")
+    check_model_config(TF4_QWEN3_CONFIG, tmp_path / "config.json")
+    check_model_config(DEEPSEEK_TINY, tmp_path / "config.json")
+    # Qwen2-MoE: transformers writes sliding_window 0 with the window switched off
+    check_model_config(
+        {"sliding_window": 0, "use_sliding_window": False}, tmp_path / "config.json"
+    )

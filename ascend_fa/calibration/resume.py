@@ -333,7 +333,11 @@ class ResumeState:
             path = self._path("observers", i)
             observers = layer_observers(model, f"model.layers.{i}.")
             with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {}).get("observers", "{}"))
+                meta = loads_json(
+                    (f.metadata() or {}).get("observers", "{}"),
+                    path=path,
+                    what="resume state's observers",
+                )
                 if set(meta) != set(observers):
                     raise FileFormatError(
                         "the resume state names other observers than this run "

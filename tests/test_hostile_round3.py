@@ -10,7 +10,10 @@ key, exit 2 (``inspect``: 1 for an invalid artifact), and nothing is written.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -443,7 +446,7 @@ def test_fp8_dequantize_sets_torch_dtype_of_a_transformers5_config(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["missing", "mismatch"])
-def test_load_report_is_not_printed_before_the_error(setup, tmp_path, capsys, how):
+def test_load_report_is_not_printed_before_the_error(setup, tmp_path, how):
     src = tmp_path / "model"
     shutil.copytree(setup["llama"], src)
     tensors = load_file(src / "model.safetensors")
@@ -454,9 +457,21 @@ def test_load_report_is_not_printed_before_the_error(setup, tmp_path, capsys, ho
         tensors[name] = tensors[name][:, :10].contiguous()
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     out = tmp_path / "out"
-    rc = main(["calibrate", "--model", str(src), "--output", str(out), *FAST])
-    line = one_line(capsys, rc, 2, "calibrate", str(src), name)
-    assert "LOAD REPORT" not in line
+    # a real process: its logging goes to stderr as a user sees it (in-process,
+    # pytest's log capture would take transformers' report away from stderr)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ascend_fa", "calibrate", "--model", str(src)]
+        + ["--output", str(out), *FAST],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ascend-fa calibrate: error: "), proc.stderr
+    assert str(src) in lines[0] and name in lines[0]
+    assert "LOAD REPORT" not in proc.stderr
     assert not out.exists()
 
 
@@ -512,3 +527,17 @@ def test_config_rules_accept_real_configs(tmp_path):
     check_model_config(
         {"sliding_window": 0, "use_sliding_window": False}, tmp_path / "config.json"
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["attention", "--batch", "-1"], "--batch must be >= 1, got -1"),
+        (["attention", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["kvcache", "--tokens", "-5"], "--tokens must be >= 1, got -5"),
+        (["fp8", "--shards", "0"], "--shards must be >= 1, got 0"),
+        (["linear-accuracy", "--num-samples", "-2"], "--num-samples must be >= 0"),
+    ],
+)
+def test_bench_counts_are_checked(capsys, args, message):
+    one_line(capsys, main(["bench", *args]), 2, "bench", message)

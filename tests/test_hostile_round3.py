@@ -214,6 +214,12 @@ def test_inspect_uses_the_recorded_release(setup, tmp_path, capsys):
     result = inspect_artifact(out)
     assert not result["valid"]
     assert any("9.9.9" in f for f in result["findings"])
+    for hostile in ("x" * 100_000, 5, ["0.25.1rc1"]):
+        desc["metadata"][RELEASE_METADATA_KEY] = hostile
+        (out / DESCRIPTION_FILE).write_text(json.dumps(desc))
+        assert main(["inspect", str(out)]) == 1
+        printed = capsys.readouterr().out
+        assert "metadata records" in printed and len(printed) < 5000
 
 
 def test_duplicate_description_key_is_refused(setup, tmp_path, capsys):

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ascend_fa.errors import InputError
+from ascend_fa.errors import InputError, cut_long_words
 from ascend_fa.families import reads_fa
 from ascend_fa.safe_files import DuplicateKeyError, unique_keys
 
@@ -438,7 +438,9 @@ def _release(
         try:
             return resolve_release(target, recorded_release(desc))
         except InputError as exc:
-            findings.append(f"{DESCRIPTION_FILE}: metadata records {exc}")
+            findings.append(
+                cut_long_words(f"{DESCRIPTION_FILE}: metadata records {exc}", 120)
+            )
     return resolve_release(target, version)
 
 

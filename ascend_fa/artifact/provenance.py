@@ -94,9 +94,10 @@ def _metadata(desc: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 def recorded_release(desc: Mapping[str, Any] | None) -> str | None:
-    """The consumer release the description records (None when none)."""
+    """The consumer release the description records (None when none; a value
+    that is not a string comes back as text, for the release table to refuse)."""
     value = _metadata(desc).get(RELEASE_METADATA_KEY)
-    return value if isinstance(value, str) else None
+    return None if value is None else str(value)
 
 
 def check_artifact_model(artifact: str | Path, model: str | Path | None) -> None:

@@ -433,7 +433,7 @@ def test_fp8_stray_file_in_partial_never_lands(tmp_path, capsys):
     assert not out2.exists()
 
 
-def test_fp8_dequantize_sets_torch_dtype_of_a_transformers5_config(tmp_path):
+def test_fp8_dequantize_sets_the_dtype_of_a_transformers5_config(tmp_path):
     from test_fp8 import make_fp8_checkpoint
 
     src = tmp_path / "fp8"
@@ -444,7 +444,8 @@ def test_fp8_dequantize_sets_torch_dtype_of_a_transformers5_config(tmp_path):
     out = tmp_path / "bf16"
     assert _fp8_run("dequantize", src, out) == 0
     got = json.loads((out / "config.json").read_text())
-    assert got["torch_dtype"] == "bfloat16" and got["dtype"] == "bfloat16"
+    # its own spelling (README: no key added, the source's keys kept)
+    assert got["dtype"] == "bfloat16" and "torch_dtype" not in got
     assert "quantization_config" not in got
 
 

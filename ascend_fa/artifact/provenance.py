@@ -56,11 +56,14 @@ def _cut(text: Any, limit: int = 80) -> str:
 
 def shapes_fingerprint(shapes: Mapping[str, list[int]]) -> str | None:
     """sha256 (first 16 hex digits) of ``name:shape`` lines in name order; None
-    for no shapes."""
-    if not shapes:
+    for no shapes. FP8 block scales (``*_scale_inv``) are storage, not the model:
+    they are left out, so an FP8 checkpoint and its ``fp8 dequantize`` copy have
+    one fingerprint."""
+    names = sorted(n for n in shapes if not n.endswith("_scale_inv"))
+    if not names:
         return None
     h = hashlib.sha256()
-    for name in sorted(shapes):
+    for name in names:
         h.update(f"{name}:{list(shapes[name])}\n".encode())
     return h.hexdigest()[:16]
 

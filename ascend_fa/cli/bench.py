@@ -84,7 +84,7 @@ def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         low = 0 if zero or (action.default is not None and action.default <= 0) else 1
         values = getattr(args, action.dest, None)
         for value in values if isinstance(values, list) else [values]:
-            if value is not None and value < low:
+            if value is not None and value != action.default and value < low:
                 raise InputError(
                     f"{action.option_strings[0]} must be >= {low}, got {value}"
                 )

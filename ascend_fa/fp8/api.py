@@ -294,7 +294,8 @@ def dequantize_checkpoint(
 
     Every weight with a ``<name>_scale_inv`` becomes ``codes.float() * scale_inv``
     in ``dtype``; scales are dropped; ``quantization_config`` is removed from
-    ``config.json`` and ``torch_dtype`` set to ``dtype``. Other tensors pass through
+    ``config.json`` and ``torch_dtype`` (a transformers-5 config's ``dtype``) set to
+    ``dtype``. Other tensors pass through
     (one warning lists them); a 1-byte tensor without a scale is an error unless
     ``allow_missing_scale``. Every scale is checked (finite, positive, the right
     shape) before anything is written.
@@ -372,9 +373,12 @@ def dequantize_checkpoint(
         if ckpt.config is None:
             return
         cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
-        # torch_dtype always (what MindIE and transformers-4 readers take), and a
-        # transformers-5 config's dtype as well
-        for k in ("torch_dtype", *(["dtype"] if "dtype" in cfg else [])):
+        # the config's own spelling: torch_dtype, or a transformers-5 config's
+        # dtype (both when it has both); none: torch_dtype. A key is not added
+        # beside dtype, so the copy keeps the source's keys (calibrating it and
+        # streaming the FP8 source write the same config.json).
+        keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
+        for k in keys:
             cfg[k] = dtype
         write_new_json(dest / CONFIG_NAME, cfg)
 

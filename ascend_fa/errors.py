@@ -36,7 +36,24 @@ __all__ = [
     "OutputExistsError",
     "NotFoundError",
     "UnsupportedError",
+    "MAX_WORD",
+    "cut_long_words",
 ]
+
+#: Longest run of non-space characters an error line shows whole (a path, a
+#: value); longer ones (a 100,000-character argument) are cut.
+MAX_WORD = 300
+
+
+def cut_long_words(text: str, limit: int = MAX_WORD) -> str:
+    """``text`` with every run of non-space characters longer than ``limit``
+    cut to its start and its length, so that an echoed value cannot flood the
+    one error line."""
+    words = text.split(" ")
+    return " ".join(
+        w if len(w) <= limit else f"{w[: limit // 2]}...({len(w)} characters)"
+        for w in words
+    )
 
 
 class AscendFAError(Exception):

@@ -53,6 +53,7 @@ from torch import nn
 from ascend_fa.adapters.hf import swapped_points
 from ascend_fa.adapters.placeholder import FA3QuantPlaceHolder
 from ascend_fa.artifact.format import FA_BRANCHES, ScaleMap
+from ascend_fa.artifact.provenance import check_artifact_model
 from ascend_fa.atb_ops import dynamic_fake_quant
 from ascend_fa.calibration.methods import QuantSpec, per_tensor_scales
 from ascend_fa.calibration.pipeline import injected_points, progress_bar
@@ -67,6 +68,7 @@ from ascend_fa.eval_data import (
 from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
 from ascend_fa.metrics import OutputError, token_kl, token_nll
+from ascend_fa.safe_files import read_json_object
 
 __all__ = [
     "EVAL_SETS",
@@ -256,7 +258,6 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
     them; FP8 codes rounded as ``fp8_rounding`` says: ``"nearest"`` for vLLM on
     CUDA, ``"trunc"`` for vLLM on CPU). ``"trunc"`` for an artifact without FP8
     KV scales is refused."""
-    import json
 
     from ascend_fa.artifact.reader import read_fa_scales, read_kv_scales
     from ascend_fa.artifact.targets import resolve_dtype
@@ -286,8 +287,8 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
     dtype = None
     cfg_path = path / "config.json"
     if kind == "c8" and cfg_path.is_file():
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        name = cfg.get("torch_dtype") if isinstance(cfg, dict) else None
+        cfg = read_json_object(cfg_path, what="config")
+        name = cfg.get("torch_dtype")
         if name in ("float16", "bfloat16"):
             dtype = resolve_dtype(name)
     return KVQuantSpec(kind, kv_scales, dtype, fp8_rounding)
@@ -297,14 +298,11 @@ def _linears_only(path: Path) -> bool:
     """Whether the artifact at ``path`` deploys quantized linears and no attention
     scales: what the Ascend targets write for a model whose consumer reads none
     (DeepSeek Sparse Attention, :mod:`ascend_fa.artifact.releases`)."""
-    import json
-
     from ascend_fa.artifact.format import DESCRIPTION_FILE, LINEAR_QUANT_TYPES
 
-    try:
-        desc = json.loads((path / DESCRIPTION_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    if not (path / DESCRIPTION_FILE).is_file():
         return False
+    desc = read_json_object(path / DESCRIPTION_FILE, what="description")
     return isinstance(desc, dict) and desc.get("model_quant_type") in (
         LINEAR_QUANT_TYPES
     )
@@ -595,10 +593,14 @@ def run_eval(
         ("window", window),
     ):
         if value <= 0:
-            raise InputError(f"--{flag.replace('_', '-')} must be > 0")
+            raise InputError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    if max_tokens is not None and max_tokens <= 0:
+        raise InputError(f"--max-tokens must be > 0, got {max_tokens}")
     artifact_scales = (
         read_artifact_spec(artifact, fp8_rounding) if artifact is not None else None
     )
+    if artifact is not None:  # another model's artifact, broken linears: refused
+        check_artifact_model(artifact, model)
     packaged = {*EVAL_SETS, *LONG_EVAL_SETS}
     sources: dict[str, str | Path | None] = (
         {(p if p in packaged else Path(p).stem): data_source(p) for p in data}

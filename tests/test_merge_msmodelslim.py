@@ -106,7 +106,13 @@ def test_merge_into_genuine_export(setup, tmp_path, quant, target):
     for key, value in desc.items():
         if key != "metadata":
             assert merged[key] == value  # optional, group_size, every tensor kept
+    source = merged["metadata"].pop("ascend_fa_source")  # provenance, recorded
+    assert source["model_type"] == "llama" and len(source["shapes"]) == 16
+    release = merged["metadata"].pop("ascend_fa_consumer_version")
+    assert release == (RELEASE.get(target) or [None, "3.0.0"])[1]
     assert merged["metadata"] == {**desc["metadata"], "ascend_fa_target": target}
+    # inspect judges against the recorded release: no flag needed
+    assert main(["inspect", str(out)]) == 0
     for name, blob in before.items():
         if name.endswith(".safetensors") or name == "generation_config.json":
             assert (out / name).read_bytes() == blob

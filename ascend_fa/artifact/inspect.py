@@ -22,11 +22,15 @@ Checks, each failure one finding:
   finite, > 0, not subnormal in the model dtype (``config.json`` ``torch_dtype``:
   a subnormal scale loses precision or flushes to zero on the device), and not all
   exactly 1.0 (a placeholder, never a calibrated scale);
+* the quantized linears (W8A8, W8A8_DYNAMIC) pass
+  :func:`~.linear_judge.linear_findings`: dtypes, shapes (against the config),
+  finite and positive scales, offsets in the int8 range;
 * index entries are plain file names inside the artifact (nothing outside it is
   read);
 * with a target (``target=`` or the one recorded in the artifact), that
   consumer's rules (:mod:`.consumers`), and whether the consumer release
-  (``consumer_version=``, default the target's newest stable release) loads the
+  (``consumer_version=``, else the release the artifact records for its target,
+  :mod:`.provenance`, else the target's newest stable release) loads the
   artifact's scheme for its architecture (:mod:`.releases`).
 
 The result says ``valid`` and lists the findings (strict-JSON values: no NaN); the
@@ -42,7 +46,9 @@ from typing import Any
 
 import torch
 
+from ascend_fa.errors import InputError, cut_long_words
 from ascend_fa.families import reads_fa
+from ascend_fa.safe_files import DuplicateKeyError, unique_keys
 
 from .consumers import header_view, recorded_target, target_findings
 from .format import (
@@ -57,6 +63,8 @@ from .format import (
     is_meta_key,
     is_msmodelslim_type,
 )
+from .linear_judge import linear_findings
+from .provenance import recorded_release
 from .reader import read_tensor_index, weight_files
 from .release_loader import expert_linear_refusal
 from .releases import (
@@ -109,8 +117,10 @@ def _outside_entries(directory: Path) -> list[str]:
     root = directory.resolve()
     for index in sorted(directory.glob("*.index.json")):
         try:
-            data = json.loads(index.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = json.loads(
+                index.read_text(encoding="utf-8"), object_pairs_hook=unique_keys
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError):
             continue
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict):
@@ -222,8 +232,10 @@ def _description_findings(desc: dict[str, Any]) -> list[str]:
 
 def _read_json(path: Path, findings: list[str]) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(
+            path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as exc:
         findings.append(f"{path.name}: invalid JSON ({exc})")
     return None
 
@@ -282,8 +294,6 @@ def inspect_artifact(
     """
     from safetensors import safe_open
 
-    from ascend_fa.errors import InputError
-
     if target is not None and target not in TARGETS:
         raise InputError(
             f"--target {target!r} is not a known target; choose one of "
@@ -322,15 +332,15 @@ def inspect_artifact(
             config = loaded
         elif loaded is not None:
             findings.append("config.json: not a JSON object")
+    recorded = recorded_target(desc, config)
     if target is None:
-        target = recorded_target(desc, config)
-        result["target"] = target
+        target = result["target"] = recorded
     if target is None and consumer_version is not None:
         raise InputError(
             f"--consumer-version {consumer_version!r} needs a target: pass --target "
             "(the artifact records none)"
         )
-    release = resolve_release(target, consumer_version) if target else None
+    release = _release(target, consumer_version, recorded, desc, findings)
     release = release if releases else None
     result["consumer_version"] = release.name if release else None
     if not has_desc and target != "vllm" and desc_path.is_file() is False:
@@ -357,6 +367,7 @@ def inspect_artifact(
     for name in sorted(set(where) - tensor_entries) if desc else []:
         findings.append(f"{name}: tensor has no description entry")
 
+    findings.extend(linear_findings(where, desc, config) if where and desc else [])
     model_dtype = _DTYPES.get(str((config or {}).get("torch_dtype")), torch.float32)
     fa_parts: dict[str, dict[tuple[str, str], Any]] = {}
     handles: dict[Path, Any] = {}
@@ -410,6 +421,28 @@ def inspect_artifact(
     result["layers"] = layers
     result["valid"] = not findings
     return result
+
+
+def _release(
+    target: str | None,
+    version: str | None,
+    recorded: str | None,
+    desc: dict[str, Any],
+    findings: list[str],
+) -> Any:
+    """The release to judge against: ``version``, else the one the artifact
+    records for ``target`` (:func:`.provenance.recorded_release`), else the
+    target's default; a recorded release the table does not hold is a finding."""
+    if target is None:
+        return None
+    if version is None and target == recorded and recorded_release(desc):
+        try:
+            return resolve_release(target, recorded_release(desc))
+        except InputError as exc:
+            findings.append(
+                cut_long_words(f"{DESCRIPTION_FILE}: metadata records {exc}", 120)
+            )
+    return resolve_release(target, version)
 
 
 def _release_checks(

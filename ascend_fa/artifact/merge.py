@@ -16,6 +16,7 @@ from typing import Any
 from safetensors import safe_open
 
 from ascend_fa.errors import InputError, NotFoundError
+from ascend_fa.safe_files import safetensors_header
 
 from .format import (
     DESCRIPTION_FILE,
@@ -23,7 +24,8 @@ from .format import (
     is_meta_key,
     is_msmodelslim_type,
 )
-from .reader import check_merge_target, read_description
+from .linear_judge import check_linears, source_shapes
+from .reader import check_merge_target, read_artifact_config, read_description
 
 __all__ = ["check_merge_export", "export_layer_count"]
 
@@ -36,6 +38,18 @@ def export_layer_count(names: list[str]) -> int:
     return max(found) + 1 if found else 0
 
 
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else f"{text[:60]}... ({len(text)} characters)"
+
+
+def _shapes(where: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
+    """tensor name -> shape, from the safetensors headers."""
+    out: dict[str, tuple[int, ...]] = {}
+    for path in dict.fromkeys(where.values()):
+        out.update({n: e.shape for n, e in safetensors_header(path).items()})
+    return out
+
+
 def _shape(where: Mapping[str, Path], name: str) -> list[int] | None:
     path = where.get(name)
     if path is None:
@@ -45,12 +59,16 @@ def _shape(where: Mapping[str, Path], name: str) -> list[int] | None:
 
 
 def check_merge_export(
-    directory: str | Path, model_config: Mapping[str, Any] | None = None
+    directory: str | Path,
+    model_config: Mapping[str, Any] | None = None,
+    *,
+    source: str | Path | None = None,
 ) -> dict[str, Any]:
     """Refuse ``directory`` unless it is an msModelSlim W8A8 export (description
     with a quantized ``model_quant_type`` + readable safetensors weights) whose
-    layer count and shapes match ``model_config`` (when given). Returns the
-    description.
+    quantized linears pass :func:`~.linear_judge.linear_findings`, and whose model
+    type, layer count and shapes match ``model_config`` and the checkpoint in
+    ``source`` (when given). Returns the description.
     """
     directory = Path(directory)
     flag = f"--merge-into {directory}"
@@ -79,8 +97,31 @@ def check_merge_export(
         )
     # Readable export, safe names, valid headers, no FA tensors yet (reader rules).
     where = check_merge_target(directory)
+    export_config = read_artifact_config(directory) or {}
+    expected = source_shapes(source) if source is not None else {}
+    mismatch = [
+        f"{name} is {list(shape)}, the model's is {expected[name]}"
+        for name, shape in _shapes(where).items()
+        if name in expected and list(shape) != expected[name]
+    ]
+    if mismatch:
+        raise InputError(f"{flag} belongs to another model: {mismatch[0]}")
+    check_linears(
+        where,
+        desc,
+        model_config or export_config,
+        expected=expected,
+        source=directory,
+        what=f"--merge-into {directory}",
+    )
     if model_config is None:
         return desc
+    mine, theirs = model_config.get("model_type"), export_config.get("model_type")
+    if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs:
+        raise InputError(
+            f"{flag} belongs to another model: its config.json says model_type "
+            f"{_cut(theirs)!r}, the model is {_cut(mine)!r}"
+        )
     layers = model_config.get("num_hidden_layers")
     have = export_layer_count(list(where))
     if isinstance(layers, int) and have != layers:

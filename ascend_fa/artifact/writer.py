@@ -41,6 +41,7 @@ from ascend_fa.errors import (
     UnsupportedError,
 )
 from ascend_fa.families import reads_fa
+from ascend_fa.safe_files import DuplicateKeyError, unique_keys
 
 from .format import (
     CONFIG_FILE,
@@ -505,8 +506,10 @@ def export_artifact(
 
 def _load_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(
+            path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys
+        )
+    except (json.JSONDecodeError, UnicodeDecodeError, DuplicateKeyError) as exc:
         raise FileFormatError(f"invalid JSON ({exc})", path=path) from None
     if not isinstance(data, dict):
         raise FileFormatError("not a JSON object", path=path)
@@ -526,6 +529,7 @@ def merge_into(
     consumer: str | None = None,
     kv_scales: KVScaleMap | None = None,
     model_config: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Add FA (``consumer`` mindie, or vllm-ascend MLA) or C8 (vllm-ascend GQA,
     ``kv_scales``) tensors to an existing msModelSlim export ``target``.
@@ -538,6 +542,7 @@ def merge_into(
     the result is checked with that consumer's rules
     (:func:`~.inspect.inspect_artifact`) before it is renamed into place.
     Existing FA or C8 tensors are an error (merge into the export without them).
+    ``metadata`` joins the description's ``metadata`` object (with ``consumer``).
     """
     from .merge import check_merge_export
 
@@ -616,7 +621,7 @@ def merge_into(
             meta = desc.get("metadata")
             meta = dict(meta) if isinstance(meta, dict) else {}
             meta[TARGET_METADATA_KEY] = consumer
-            desc["metadata"] = meta
+            desc["metadata"] = {**meta, **(metadata or {})}
         write_json(tmp / DESCRIPTION_FILE, desc)
         for index in sorted(tmp.glob("*.safetensors.index.json")):
             data = _load_json(index)

@@ -65,19 +65,21 @@ def parse_fallback(value: int | str) -> int | str:
 
 def source_config(model: str | Path | None) -> dict[str, Any] | None:
     """A HF checkpoint directory's ``config.json`` as a dict (None for GGUF, the
-    default model, or an unreadable file: the loader reports those)."""
-    import json
+    default model, or no such file: the loader reports that). A config that is
+    not a JSON object, repeats a key, or has an impossible structural key
+    (:func:`~ascend_fa.config_checks.check_model_config`) is refused here, before
+    anything else is said about the model."""
+    from ascend_fa.config_checks import check_model_config
+    from ascend_fa.safe_files import read_json_object
 
     if model is None:
         return None
     path = Path(model) / "config.json"
     if not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    data = read_json_object(path, what="model config")
+    check_model_config(data, path)
+    return data
 
 
 def picture_files(report: dict[str, Any]) -> dict[str, bytes]:

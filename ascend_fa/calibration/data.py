@@ -27,7 +27,7 @@ from importlib import resources
 from pathlib import Path
 
 from ascend_fa.errors import FileFormatError, InputError
-from ascend_fa.safe_files import read_text
+from ascend_fa.safe_files import DuplicateKeyError, read_text, unique_keys
 
 __all__ = [
     "MAX_CALIB_BYTES",
@@ -65,7 +65,9 @@ def _parse_jsonl(path: Path, text: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=unique_keys)
+        except DuplicateKeyError as exc:
+            raise FileFormatError(f"{path}: line {lineno}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise FileFormatError(
                 f"{path}: line {lineno}: malformed JSON line ({exc.msg} at column "

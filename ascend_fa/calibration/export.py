@@ -104,7 +104,22 @@ def write_artifact(
             consumer=plan.target,
             kv_scales=attention.kv_scales,
             model_config=source.net.config.to_dict(),
+            metadata=_provenance(plan, source),
         )
+    )
+
+
+def _provenance(plan: CalibrationPlan, source: Source) -> dict[str, Any]:
+    """What the artifact is made from and for (:mod:`ascend_fa.artifact.provenance`)."""
+    from ascend_fa.artifact import resolve_release
+    from ascend_fa.artifact.provenance import provenance_metadata
+
+    release = resolve_release(plan.target, plan.consumer_version)
+    loaded = source.loaded
+    return provenance_metadata(
+        source.net.config.to_dict(),
+        source_dir=None if loaded.gguf_file else loaded.source_dir,
+        consumer_version=None if release is None else release.name,
     )
 
 
@@ -130,6 +145,7 @@ def _export(
     if source.kind is not None and source.kind.carried_layers and not loaded.gguf_file:
         ckpt = with_carried(ckpt, loaded.source_dir, net.config, dtype)
     metadata = {
+        **_provenance(plan, source),
         **(transforms.description_metadata() if transforms is not None else {}),
         **(
             {artifact.RESEARCH_METADATA_KEY: artifact.dtype_name(dtype)}

@@ -356,7 +356,9 @@ def check_merge_export(plan: CalibrationPlan) -> None:
     from ascend_fa import artifact
 
     if plan.merge:
-        artifact.check_merge_export(plan.merge_into, plan.source_config)
+        artifact.check_merge_export(
+            plan.merge_into, plan.source_config, source=plan.model
+        )
 
 
 def check_clip_search_processes(plan: CalibrationPlan) -> None:

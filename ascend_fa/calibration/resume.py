@@ -51,6 +51,7 @@ from torch import nn
 
 from ascend_fa.errors import FileFormatError
 from ascend_fa.linear.engine import LayerInputs
+from ascend_fa.safe_files import loads_json
 
 from .layerwise import layer_observers
 
@@ -237,7 +238,7 @@ class ResumeState:
         saved: dict[str, Any] = {}
         for i in range(self.linear_done):
             path = self._path("linear", i, ".json")
-            saved = json.loads(read_text(path))
+            saved = loads_json(read_text(path), path=path, what="resume state")
             spill = self.streamed.adopt_spill(i) if self.streamed is not None else {}
             for d in saved["records"]:
                 if d["group"] not in groups:
@@ -332,7 +333,11 @@ class ResumeState:
             path = self._path("observers", i)
             observers = layer_observers(model, f"model.layers.{i}.")
             with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {}).get("observers", "{}"))
+                meta = loads_json(
+                    (f.metadata() or {}).get("observers", "{}"),
+                    path=path,
+                    what="resume state's observers",
+                )
                 if set(meta) != set(observers):
                     raise FileFormatError(
                         "the resume state names other observers than this run "

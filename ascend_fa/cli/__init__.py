@@ -206,6 +206,9 @@ def _say(prefix: str, text: str, *, peer_quiet: bool = False) -> None:
     stopping the peers of a failed rank)."""
     import os
 
+    from ascend_fa.errors import cut_long_words
+
+    text = cut_long_words(text)
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     if rank in ("", "0") or world in ("", "1"):
         print(f"{prefix}: {text}", file=sys.stderr)

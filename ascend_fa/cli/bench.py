@@ -22,6 +22,7 @@ __all__ = [
     "HELP",
     "TAKES_EXTRA_ARGS",
     "add_arguments",
+    "check_counts",
     "bench_parser",
     "run",
 ]
@@ -61,6 +62,32 @@ def bench_parser(module) -> argparse.ArgumentParser:
 
         add_backend_argument(p)
     return p
+
+
+#: Integer options that are not counts (any value is a valid seed).
+_NOT_COUNTS = frozenset({"seed"})
+#: Counts where 0 has a meaning although the default is not 0 ("0 skips them").
+_ZERO_MEANS = frozenset({"long_window"})
+
+
+def check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every integer option of a benchmark is a count or a size: > 0, or >= 0
+    where its default is 0 or a negative placeholder (0 there means "the
+    default") or 0 skips something. One line naming the option, before anything
+    runs."""
+    from ascend_fa.errors import InputError
+
+    for action in parser._actions:
+        if action.type is not int or action.dest in _NOT_COUNTS:
+            continue
+        zero = action.dest in _ZERO_MEANS
+        low = 0 if zero or (action.default is not None and action.default <= 0) else 1
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value != action.default and value < low:
+                raise InputError(
+                    f"{action.option_strings[0]} must be >= {low}, got {value}"
+                )
 
 
 def _compare(a: str, b: str) -> int:
@@ -103,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "compare":
         return _compare(args.a, args.b)
     module = load_benchmark(args.bench)
-    bench_args = bench_parser(module).parse_args(args.extra_args)
+    parser = bench_parser(module)
+    bench_args = parser.parse_args(args.extra_args)
+    check_counts(parser, bench_args)
     if not hasattr(module, "BACKENDS"):
         # A benchmark that does not say which devices it runs on runs on the CPU.
         bench_args.backend = _resolve_backend(module, bench_args.backend)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ascend_fa.artifact.provenance import check_artifact_model
 from ascend_fa.calibration.kv import fp8_rounding_flag
 from ascend_fa.errors import FileFormatError, InputError, NotFoundError
 from ascend_fa.linear import artifact_model
@@ -270,11 +271,19 @@ def run_emulate(
         raise InputError("--max-new-tokens must be > 0")
     if window < 2:
         raise InputError("--window must be >= 2")
+    if max_eval_tokens is not None and max_eval_tokens < 0:
+        raise InputError(
+            f"--max-eval-tokens must be >= 0 (0 = all), got {max_eval_tokens}"
+        )
+    if block_size <= 0:
+        raise InputError(f"--block-size must be > 0, got {block_size}")
     fp8_rounding_flag(fp8_rounding)
     if artifact is not None and not Path(artifact).is_dir():
         raise NotFoundError("artifact not found", path=artifact)
     # Read (and so check) the artifact and the text before the model loads.
     kind, scale_map = artifact_scales(artifact) if artifact is not None else ("", None)
+    if artifact is not None:  # another model's artifact, broken linears: refused
+        check_artifact_model(artifact, model)
     eval_text = load_eval_text(eval_data)
     modes = _artifact_modes(kind, modes) if kind else modes or ["int8_kv", "faquant"]
     if fp8_rounding != "nearest" and "fp8_kv" not in modes:

@@ -35,7 +35,7 @@ from .checkpoint import (
 )
 from .convert import ShardTask, run_conversion
 from .errors import FP8ConversionError, FP8FormatError, FP8InputError
-from .output import MANIFEST_NAME, prepare_output, write_new_json
+from .output import MANIFEST_NAME, prepare_output, verify_finished, write_new_json
 from .safetensors_io import ShardHeader, TensorEntry, read_tensor
 from .selection import (
     DEFAULT_IGNORE,
@@ -122,6 +122,7 @@ def quantize_checkpoint(
     block = check_block(block_size)
     inp, output = Path(input_dir), Path(output_dir)
     ckpt = open_checkpoint(inp)
+    verify_finished(inp)  # a finished output of ours: its shards as written
     if ckpt.config and ckpt.config.get("quantization_config"):
         qc = ckpt.config["quantization_config"]
         raise FP8InputError(
@@ -293,7 +294,8 @@ def dequantize_checkpoint(
 
     Every weight with a ``<name>_scale_inv`` becomes ``codes.float() * scale_inv``
     in ``dtype``; scales are dropped; ``quantization_config`` is removed from
-    ``config.json`` and ``torch_dtype`` set to ``dtype``. Other tensors pass through
+    ``config.json`` and ``torch_dtype`` (a transformers-5 config's ``dtype``) set to
+    ``dtype``. Other tensors pass through
     (one warning lists them); a 1-byte tensor without a scale is an error unless
     ``allow_missing_scale``. Every scale is checked (finite, positive, the right
     shape) before anything is written.
@@ -304,6 +306,7 @@ def dequantize_checkpoint(
         )
     inp, output = Path(input_dir), Path(output_dir)
     ckpt = open_checkpoint(inp)
+    verify_finished(inp)  # a finished output of ours: its shards as written
     plan = plan_dequantize(ckpt)
     where = ckpt.locate()
     if plan.unscaled_codes and not allow_missing_scale:
@@ -370,6 +373,10 @@ def dequantize_checkpoint(
         if ckpt.config is None:
             return
         cfg = {k: v for k, v in ckpt.config.items() if k != "quantization_config"}
+        # the config's own spelling: torch_dtype, or a transformers-5 config's
+        # dtype (both when it has both); none: torch_dtype. A key is not added
+        # beside dtype, so the copy keeps the source's keys (calibrating it and
+        # streaming the FP8 source write the same config.json).
         keys = [k for k in ("torch_dtype", "dtype") if k in cfg] or ["torch_dtype"]
         for k in keys:
             cfg[k] = dtype

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..atb_ops.constants import FP8_BLOCK
 from ..errors import NotFoundError
+from ..safe_files import unique_keys
 from .blocks import SCALE_SUFFIX, check_block, scale_shape
 from .errors import FP8FormatError, FP8InputError, FP8UnsafePathError
 from .safetensors_io import (
@@ -92,7 +93,7 @@ def load_json(path: Path, expect: type = dict) -> Any:
     if len(raw) > JSON_LIMIT:
         raise FP8FormatError(f"larger than {JSON_LIMIT >> 20} MiB", path=path)
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as exc:
         raise FP8FormatError(
             f"not valid JSON ({type(exc).__name__}: {exc})", path=path

@@ -35,6 +35,8 @@ from .blocks import (
 from .checkpoint import Checkpoint
 from .errors import FP8FormatError, FP8InputError
 from .output import (
+    MANIFEST_NAME,
+    check_no_strays,
     finish_output,
     load_manifest,
     remove_temp_files,
@@ -346,6 +348,8 @@ def run_conversion(
     }
     done = load_manifest(partial, params, inputs, {t.dst.name for t in tasks})
     remove_temp_files(partial)
+    ours = {t.dst.name for t in tasks} | {MANIFEST_NAME}
+    check_no_strays(partial, ours)
     todo = [t for t in tasks if t.dst.name not in done]
     resumed = sorted(done)
     if resumed:
@@ -382,6 +386,7 @@ def run_conversion(
                     record(result)
                     if bar is not None:
                         bar.update(ckpt.shards[result[0]].size)
+        check_no_strays(partial, ours)  # nothing but ours is renamed into place
         finish(partial, {t.dst.name: read_safetensors_header(t.dst) for t in tasks})
         for rel, src in other_files:
             _copy_into(partial, rel, src)

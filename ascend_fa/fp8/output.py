@@ -51,6 +51,8 @@ __all__ = [
     "prepare_output",
     "remove_temp_files",
     "write_manifest",
+    "check_no_strays",
+    "verify_finished",
     "write_new_file",
     "write_new_json",
 ]
@@ -282,6 +284,54 @@ def load_manifest(
         else:
             log.warning("%s: finished shard failed verification; converting again", f)
     return verified
+
+
+def check_no_strays(partial: Path, allowed: set[str]) -> None:
+    """Refuse an entry of ``partial`` that is neither one of ``allowed`` (the
+    output shards and the manifest) nor a temporary file: the finished output is
+    ``partial`` renamed, so a stray file would land in it."""
+    stray = sorted(
+        p.name
+        for p in partial.iterdir()
+        if p.name not in allowed and not p.name.endswith(".tmp")
+    )
+    if stray:
+        shown = stray[0] if len(stray[0]) <= 80 else stray[0][:60] + "..."
+        raise FP8InputError(
+            f"{partial} holds {shown!r}, which is no file of this conversion (the "
+            "finished output is this directory renamed); remove it and rerun (the "
+            "finished shards are kept)",
+            path=partial,
+        )
+
+
+def verify_finished(directory: Path) -> None:
+    """When ``directory`` is a finished conversion output of ours (a complete
+    manifest), check every shard it records against its size and content hash;
+    a shard changed since it was written is an :class:`FP8FormatError` naming
+    it. A directory without our manifest is not checked."""
+    manifest = _manifest_of(directory)
+    if manifest is None or manifest.get("complete") is not True:
+        return
+    key, length = _RECORD_HASH[manifest["format"]]
+    done = manifest.get("done")
+    path = directory / MANIFEST_NAME
+    if not isinstance(done, dict) or not all(
+        _valid_record(r, key, length) for r in done.values()
+    ):
+        raise FP8FormatError("the manifest's done list is malformed", path=path)
+    for name, rec in sorted(done.items()):
+        if name in ("", ".", "..") or "/" in name or "\\" in name:
+            raise FP8FormatError(
+                f"manifest entry {name[:80]!r} is no file name", path=path
+            )
+        f = directory / name
+        if _verified(f, rec, key) is None:
+            raise FP8FormatError(
+                f"shard {name} does not match {MANIFEST_NAME} (size or {key} "
+                "differs): it changed after the conversion wrote it",
+                path=f,
+            )
 
 
 def write_manifest(

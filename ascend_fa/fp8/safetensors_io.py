@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..safe_files import unique_keys
 from .errors import FP8FormatError
 
 __all__ = [
@@ -198,7 +199,7 @@ def _is_int(v: Any) -> bool:
 
 def _parse_entries(p: Path, raw: bytes, n: int) -> tuple[dict | None, list]:
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as exc:
         raise FP8FormatError(
             f"corrupt safetensors header ({type(exc).__name__}: {exc})", path=p

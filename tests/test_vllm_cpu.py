@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,12 @@ TEXTS = [
     "Rain fell on the harbour while the boats rocked gently.",
     "for i in range(10):\n    print(i * i)\n",
 ] * 3
+
+
+# Every vLLM process runs outside the checkout: its model inspection is a
+# ``python -m`` child, which puts the working directory first on sys.path, and an
+# editable install's ascend_fa.egg-info there would expose the package's
+# vllm.general_plugins entry point to an environment where ascend_fa cannot import.
 
 
 def _in_ci() -> bool:
@@ -149,7 +156,7 @@ def engine(vllm_python, artifacts, tmp_path_factory) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     proc = subprocess.run(
         [str(vllm_python), str(DRIVER), str(path)],
-        capture_output=True, text=True, timeout=1800, env=env,
+        capture_output=True, text=True, timeout=1800, env=env, cwd=path.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -268,8 +275,9 @@ def cpu(vllm_python) -> dict:
         "'capability': torch.backends.cpu.get_cpu_capability()}))"
     )
     proc = subprocess.run(
-        [str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300
-    )
+        [str(vllm_python), "-c", code], capture_output=True, text=True, timeout=300,
+        cwd=tempfile.gettempdir(),
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -291,7 +299,7 @@ def test_trunc_codes_equal_vllms_cpu_cache_write(cpu, vllm_python, tmp_path):
     path.write_text(json.dumps(req))
     proc = subprocess.run(
         [str(vllm_python), str(DRIVER), str(path)],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, cwd=path.parent,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.tensor(json.loads(proc.stdout.strip().splitlines()[-1])["vllm_bytes"])

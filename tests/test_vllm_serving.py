@@ -135,7 +135,8 @@ def artifacts(tmp_path_factory) -> dict:
         "faquant": ["--model", str(out["llama_src"]), "--linear", "w8a8"],
         "c8": ["--model", str(out["qwen3_src"]), "--linear", "w8a8_dynamic",
                "--target", "vllm-ascend", "--consumer-version", "main"],
-        "moe": ["--model", str(out["moe_src"]), "--linear", "w8a8_dynamic"],
+        "moe": ["--model", str(out["moe_src"]), "--linear", "w8a8_dynamic",
+                "--target", "vllm-ascend", "--consumer-version", "main"],
     }  # fmt: skip
     for name, args in jobs.items():
         out[name] = root / name
@@ -290,7 +291,7 @@ def test_bf16_noise(engine, artifacts):
 
 
 @pytest.mark.parametrize(
-    "name, mode", [("faquant", "faquant"), ("c8", "c8"), ("moe", "faquant")]
+    "name, mode", [("faquant", "faquant"), ("c8", "c8"), ("moe", "c8")]
 )
 def test_plugin_matches_emulation(engine, artifacts, name, mode):
     from ascend_fa.emulation import enable_paged_int8_attention

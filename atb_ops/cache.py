@@ -71,6 +71,7 @@ __all__ = [
     "kv_scale_kind",
     "check_reshape_and_cache",
     "check_reshape_and_cache_mla",
+    "direct_cpu_call",
     "direct_cpu_write",
     "nz_width_message",
     "reshape_and_cache_cpu",
@@ -897,11 +898,12 @@ def _write_mla(
     )
 
 
-def direct_cpu_write(tensors: tuple[torch.Tensor | None, ...]) -> bool:
-    """Whether a validated cache write may run its CPU implementation
-    (:func:`reshape_and_cache_cpu`) directly instead of through
-    ``torch.ops.ascend_fa`` (the op's Python dispatch costs about 0.3 ms a call,
-    measured against the 0.3 ms of a whole 128-token write): every tensor a plain
+def direct_cpu_call(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Whether a validated op call may run its CPU implementation directly (the
+    cache write :func:`reshape_and_cache_cpu`, the attention and linear kernels)
+    instead of through ``torch.ops.ascend_fa`` (the op's Python dispatch costs
+    about 0.3 ms a call, measured against the 0.3 ms of a whole 128-token write;
+    a decode step calls several ops per layer): every tensor a plain
     CPU ``torch.Tensor`` (no subclass: fake, functional or other wrapper tensors
     go through the op), nothing traced by torch.compile, no torch function or
     dispatch mode active, and no input autograd would record. Those are the
@@ -924,6 +926,10 @@ def direct_cpu_write(tensors: tuple[torch.Tensor | None, ...]) -> bool:
         if grad and t.requires_grad:
             return False
     return True
+
+
+#: The cache write's name for :func:`direct_cpu_call`.
+direct_cpu_write = direct_cpu_call
 
 
 def _bump_versions(*caches: torch.Tensor) -> None:

@@ -73,6 +73,8 @@ __all__ = [
     "OUT_DTYPES",
     "decode_deq_scale",
     "encode_deq_scale_int64",
+    "dynamic_codes",
+    "dynamic_dequant",
     "dynamic_quant",
     "dynamic_quant_ref",
     "int_gemm",
@@ -83,6 +85,8 @@ __all__ = [
     "quant_matmul_ref",
     "quantize_static",
     "quantize_static_ref",
+    "static_codes",
+    "static_dequant",
 ]
 
 #: ``deq_scale`` bits the device keeps of an int64 (fp32 pattern) scale: sign,
@@ -148,12 +152,25 @@ def _check_vec(
 def _quantize_static_op(
     x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, div_mode: bool
 ) -> torch.Tensor:
-    xf = x.float()
     s = scale.to(device=x.device, dtype=torch.float32)
     o = offset.to(device=x.device, dtype=torch.float32)
+    return static_codes(x, s, o, div_mode)
+
+
+def static_codes(
+    x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, div_mode: bool
+) -> torch.Tensor:
+    """The arithmetic of ``quantize_static`` on checked operands: ``x`` ``[M, K]``
+    float, ``scale`` / ``offset`` fp32 ``[1]`` on its device. The op runs it; a
+    caller whose operands are already checked (a quantized linear's own buffers)
+    calls it directly and skips the op's checks and dispatch."""
+    # fp16 / bf16 x: the product is formed in fp32 (type promotion with the [1]
+    # fp32 scale widens x exactly); an fp64 x is rounded to fp32 first, as the
+    # device takes fp32 at most.
+    xf = x.float() if x.dtype == torch.float64 else x
     # Two fp32 roundings (scale, then offset) and ties to even, as the golden does.
-    y = (xf / s if div_mode else xf * s) + o
-    return torch.clamp(torch.round(y), INT8_MIN, INT8_MAX).to(torch.int8)
+    y = torch.div(xf, scale) if div_mode else torch.mul(xf, scale)
+    return y.add_(offset).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
 @_quantize_static_op.register_fake
@@ -215,6 +232,12 @@ def _clamp_int8(v: int) -> int:
 
 @torch.library.custom_op("ascend_fa::dynamic_quant", mutates_args=())
 def _dynamic_quant_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return dynamic_codes(x)
+
+
+def dynamic_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The arithmetic of ``dynamic_quant`` on a checked ``x`` ``[M, K]`` float (see
+    :func:`static_codes` for why it is callable directly)."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1) / INT8_MAX
     # An all-zero row: codes 0 and scale 0 (0 / 0 is undefined on the device).
@@ -368,12 +391,29 @@ def _quant_matmul_op(
     quant_bias: torch.Tensor | None,
     out_dtype: str,
 ) -> torch.Tensor:
-    acc = int_gemm(x_q, weight).double()
+    acc = int_gemm(x_q, weight)
+    bias = None
     if quant_bias is not None:
-        acc = acc + quant_bias.to(acc.device, torch.float64)
+        bias = quant_bias.to(acc.device, torch.float64)
     deq = decode_deq_scale(deq_scale).to(acc.device)
-    # int32 sum -> fp32 (one rounding), times the fp32 scale, one rounding to out.
-    return (acc.float() * deq).to(_out_dtype(out_dtype))
+    return static_dequant(acc, deq, bias, _out_dtype(out_dtype))
+
+
+def static_dequant(
+    acc: torch.Tensor,
+    deq: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The epilogue of ``quant_matmul`` on checked operands: ``acc`` int32
+    ``[M, N]`` (:func:`int_gemm`), ``deq`` fp32 ``[N]`` (decoded), ``bias`` fp64
+    ``[N]`` (``quant_bias``) or None -> ``(acc + bias) * deq`` in ``out_dtype``
+    (see :func:`static_codes` for why it is callable directly)."""
+    # int32 + int32 added in fp64 (exact), the sum -> fp32 (one rounding; an
+    # int32 alone converts with the same single rounding), times the fp32 scale,
+    # one rounding to out.
+    y = acc.float() if bias is None else torch.add(acc, bias).float()
+    return y.mul_(deq).to(out_dtype)
 
 
 @_quant_matmul_op.register_fake
@@ -453,12 +493,32 @@ def _quant_matmul_dynamic_op(
     bias: torch.Tensor | None,
     out_dtype: str,
 ) -> torch.Tensor:
-    acc = int_gemm(x_q, weight).float()
-    y = acc * weight_scale.to(acc.device, torch.float32)
-    y = y * pertoken_scale.to(acc.device, torch.float32)[:, None]
+    acc = int_gemm(x_q, weight)
+    return dynamic_dequant(
+        acc,
+        weight_scale.to(acc.device, torch.float32),
+        pertoken_scale.to(acc.device, torch.float32),
+        None if bias is None else bias.to(acc.device),
+        _out_dtype(out_dtype),
+    )
+
+
+def dynamic_dequant(
+    acc: torch.Tensor,
+    weight_scale: torch.Tensor,
+    pertoken_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The epilogue of ``quant_matmul_dynamic`` on checked operands: ``acc`` int32
+    ``[M, N]``, ``weight_scale`` fp32 ``[N]``, ``pertoken_scale`` fp32 ``[M]``,
+    ``bias`` float ``[N]`` or None (see :func:`static_codes`)."""
+    # each product and the bias sum rounded to fp32 in turn (a bf16 / fp16 bias
+    # is widened exactly), one rounding to out
+    y = acc.float().mul_(weight_scale).mul_(pertoken_scale[:, None])
     if bias is not None:
-        y = y + bias.to(acc.device, torch.float32)
-    return y.to(_out_dtype(out_dtype))
+        y.add_(bias)
+    return y.to(out_dtype)
 
 
 @_quant_matmul_dynamic_op.register_fake

@@ -46,15 +46,22 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ascend_fa.atb_ops.cache import direct_cpu_call
 from ascend_fa.atb_ops.constants import INT8_MAX, INT8_MIN, SCALE_EPS
 from ascend_fa.atb_ops.linear import (
     FP19_MASK,
+    OUT_DTYPES,
     decode_deq_scale,
+    dynamic_codes,
+    dynamic_dequant,
     dynamic_quant,
     encode_deq_scale_int64,
+    int_gemm,
     quant_matmul,
     quant_matmul_dynamic,
     quantize_static,
+    static_codes,
+    static_dequant,
 )
 from ascend_fa.errors import FileFormatError, UnsupportedError
 
@@ -80,6 +87,8 @@ ARTIFACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: @517f2e7): K and N of a quantized linear are at most 65535.
 MAX_MATMUL_DIM = 65535
 _INT32 = torch.iinfo(torch.int32)
+#: Activation dtypes the matmul ops return in (``forward``'s output dtype).
+_OUT = frozenset(OUT_DTYPES.values())
 
 
 def check_linear_shape(name: str, in_features: int, out_features: int) -> None:
@@ -169,6 +178,14 @@ class QuantizedLinear(nn.Module):
 
     def _flat(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, self.in_features)
+
+    def _direct(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` may run the ops' CPU arithmetic directly (the
+        buffers were checked when the module was built; ``x`` is a plain CPU
+        tensor of a dtype the ops take): the same integers and roundings as the
+        ops, without their per-call checks and dispatch, which cost more than the
+        arithmetic of a one-token decode step."""
+        return x.dtype in _OUT and direct_cpu_call((x, self.weight))
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -355,6 +372,14 @@ class W8A8Linear(QuantizedLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._direct(x):
+            flat = self._flat(x)
+            q = static_codes(
+                flat, self.activation_reciprocal(), self.input_offset.float(), False
+            )
+            bias = self.quant_bias.double()
+            y = static_dequant(int_gemm(q, self.weight), self.deq_scale, bias, x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
         q = self.quantize_input(x)
         y = quant_matmul(
             q, self.weight, self.deq_scale, self.quant_bias, out_dtype=x.dtype
@@ -444,6 +469,11 @@ class W8A8DynamicLinear(QuantizedLinear):
         return cls(w, ws.float(), dtype=dtype, bias=tensors.get("bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._direct(x):
+            q, pts = dynamic_codes(self._flat(x))
+            acc = int_gemm(q, self.weight)
+            y = dynamic_dequant(acc, self.weight_scale, pts, self.bias, x.dtype)
+            return y.view(*x.shape[:-1], self.out_features)
         q, pts = dynamic_quant(self._flat(x))
         y = quant_matmul_dynamic(
             q, self.weight, self.weight_scale, pts, self.bias, out_dtype=x.dtype

@@ -47,12 +47,15 @@ import torch
 from .atb_ops.attention import (
     check_mla_attention,
     check_paged_attention,
+    paged_attention_cpu,
+    paged_attention_info,
     release_workspace,
 )
 from .atb_ops.cache import (
+    cache_geometry,
     check_reshape_and_cache,
     check_reshape_and_cache_mla,
-    direct_cpu_write,
+    direct_cpu_call,
     reshape_and_cache_cpu,
     reshape_and_cache_mla_cpu,
 )
@@ -105,6 +108,7 @@ def reshape_and_cache(
     layout: str = "nz",
     fp8_rounding: str = "nearest",
     backend: str | Backend | None = None,
+    check: bool = True,
 ) -> None:
     """Write ``key``, ``value`` ``[T, Hkv, D]`` into the paged caches, in place.
 
@@ -116,19 +120,24 @@ def reshape_and_cache(
     ``fp8_rounding`` says: ``"nearest"`` (vLLM's CUDA cache write) or ``"trunc"``
     (toward zero, vLLM's CPU cache write; :func:`~ascend_fa.atb_ops.fp8_codes`).
     Out-of-range or repeated slots and any shape/dtype mismatch raise before anything
-    is written.
+    is written. ``check=False`` skips that validation: only for arguments equal in
+    everything it checks to a call that passed it (an engine step writes the same
+    slots, shapes and dtypes into every layer's caches and checks the first).
     """
-    geo = check_reshape_and_cache(
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        k_scale,
-        v_scale,
-        layout,
-        fp8_rounding,
-    )
+    if check:
+        geo = check_reshape_and_cache(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            k_scale,
+            v_scale,
+            layout,
+            fp8_rounding,
+        )
+    else:
+        geo = cache_geometry("reshape_and_cache", "key_cache", key_cache, layout)
     spec = cache_write_spec(
         key_dtype=key.dtype,
         cache_dtype=key_cache.dtype,
@@ -140,7 +149,7 @@ def reshape_and_cache(
     )
     resolve_backend(spec, backend)
     args = (key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    if direct_cpu_write(args):
+    if direct_cpu_call(args):
         reshape_and_cache_cpu(*args, layout, fp8_rounding)
     else:
         torch.ops.ascend_fa.reshape_and_cache(*args, layout, fp8_rounding)
@@ -179,7 +188,7 @@ def reshape_and_cache_mla(
     )
     resolve_backend(spec, backend)
     args = (latent, rope, latent_cache, rope_cache, slot_mapping, k_scale)
-    if direct_cpu_write(args):
+    if direct_cpu_call(args):
         reshape_and_cache_mla_cpu(*args, layout)
     else:
         torch.ops.ascend_fa.reshape_and_cache_mla(*args, layout)
@@ -199,6 +208,7 @@ def paged_attention(
     q_scale: torch.Tensor | None = None,
     layout: str = "nz",
     backend: str | Backend | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Decode attention over the paged cache; returns ``[B, H, D]`` in the query dtype.
 
@@ -208,14 +218,32 @@ def paged_attention(
     ``k_scale``/``v_scale`` ``[Hkv]`` (int8-KV); plus ``q_scale`` ``[H]`` (FAQuant:
     the query is quantized per head and the scores are int8 x int8 dot products
     scaled by ``q_scale[h] * k_scale[h // g] * scale``).
+
+    ``check=False`` skips the validation, as in :func:`reshape_and_cache` (an engine
+    step attends every layer with the same block table and lengths, and caches,
+    scales and query of the same shapes and dtypes: it checks the first layer's
+    call). Plain CPU tensors run the op's implementation without the op's dispatch
+    (:func:`~ascend_fa.atb_ops.cache.direct_cpu_call`), as the cache write does.
     """
-    info = check_paged_attention(
-        query, key_cache, value_cache, block_table, seq_lens,
-        num_kv_heads=num_kv_heads, scale=scale, k_scale=k_scale, v_scale=v_scale,
-        q_scale=q_scale, layout=layout,
-    )  # fmt: skip
+    if check:
+        info = check_paged_attention(
+            query, key_cache, value_cache, block_table, seq_lens,
+            num_kv_heads=num_kv_heads, scale=scale, k_scale=k_scale,
+            v_scale=v_scale, q_scale=q_scale, layout=layout,
+        )  # fmt: skip
+    else:
+        info = paged_attention_info(
+            query, key_cache, block_table, num_kv_heads, q_scale, layout
+        )
     spec = attention_spec("decode", info, query.device.type)
     resolve_backend(spec, backend)
+    args = (query, key_cache, value_cache, block_table, seq_lens, k_scale, v_scale,
+            q_scale)  # fmt: skip
+    if direct_cpu_call(args):
+        return paged_attention_cpu(
+            query, key_cache, value_cache, block_table, seq_lens, num_kv_heads,
+            float(scale), k_scale, v_scale, q_scale, layout,
+        )  # fmt: skip
     return torch.ops.ascend_fa.paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, num_kv_heads,
         float(scale), k_scale, v_scale, q_scale, layout,

@@ -72,6 +72,7 @@ __all__ = [
     "check_mla_attention",
     "dynamic_query_scale",
     "mla_attention_info",
+    "paged_attention_cpu",
     "paged_attention_info",
     "gather_tokens_ref",
     "paged_attention_ref",
@@ -671,32 +672,92 @@ def _gqa_decode_group(
     qop, coef, v_scale, key_cache, value_cache, blocks, lens, hkv, layout, ws
 ):
     """Decode for a group of sequences in one go: ``qop`` ``[G, H, D]``, ``blocks``
-    ``[G, n]`` (unused entries already replaced by a valid id), ``lens`` ``[G]``."""
+    ``[G, n]`` (unused entries already replaced by a valid id), ``lens`` ``[G]``
+    (a list of ints)."""
     b_sz, h, d = qop.shape
     g = h // hkv
     k = _gather(key_cache, blocks, layout, ws, "k", heads=hkv)
     v = _gather(value_cache, blocks, layout, ws, "v", heads=hkv)
     n_ctx = k.shape[2]
-    if key_cache.dtype.is_floating_point and int(lens.min()) < n_ctx:
+    short = min(lens) < n_ctx
+    if short and key_cache.dtype.is_floating_point:
         # Masked means masked: rows past a sequence's length (the unused tail of
         # its last block, or padding blocks of a shorter sequence in the group) may
         # hold anything, NaN and inf included, and 0 * NaN is NaN in P.V. Zero them
         # so the -inf scores below and the P.V product never see them.
-        for i, n_i in enumerate(lens.tolist()):
+        for i, n_i in enumerate(lens):
             if n_i < n_ctx:
                 k[i, :, n_i:].zero_()
                 v[i, :, n_i:].zero_()
     q = qop.reshape(b_sz * hkv, g, d)
     scores = torch.bmm(q, k.view(b_sz * hkv, n_ctx, d).transpose(1, 2))
     scores = scores.view(b_sz, hkv, g, n_ctx).mul_(coef.view(1, hkv, g, 1))
-    if int(lens.min()) < n_ctx:  # shorter sequences of the group: mask their padding
-        pad = torch.arange(n_ctx, device=qop.device).unsqueeze(0) >= lens.unsqueeze(1)
+    if short:  # shorter sequences of the group: mask their padding
+        pos = torch.arange(n_ctx, device=qop.device).unsqueeze(0)
+        pad = pos >= torch.tensor(lens, device=qop.device).unsqueeze(1)
         scores.masked_fill_(pad.view(b_sz, 1, 1, n_ctx), float("-inf"))
     probs = torch.softmax(scores.view(b_sz * hkv, g, n_ctx), dim=-1)
     o = torch.bmm(probs, v.view(b_sz * hkv, n_ctx, d)).view(b_sz, hkv, g, d)
     if v_scale is not None:
         o.mul_(v_scale.view(1, hkv, 1, -1))
     return o.reshape(b_sz, h, d)
+
+
+def _gqa_decode(qop, coef, vsc, key_cache, value_cache, block_table, lens, hkv,
+                layout):  # fmt: skip
+    """Decode, one query token per sequence: ``qop`` ``[B, H, D]`` fp32 (the
+    query operand), ``lens`` ``[B]`` ints -> fp32 ``[B, H, D]``. Groups of
+    sequences share one gather / bmm / softmax each; short sequences are padded to
+    the group's longest and masked. One group (a decode batch whose K/V copies fit
+    :data:`_DECODE_GROUP_BYTES`, e.g. every batch-1 step) returns its result
+    as is; a group whose sequences all use the same number of blocks takes the
+    block table's columns as they are."""
+    b_sz, h, d = qop.shape
+    bs = key_cache.shape[2] if layout == "nz" else key_cache.shape[1]
+    ws = _workspace(qop.device)
+    need = [-(-n // bs) for n in lens]
+    per_seq = max(need) * bs * hkv * d * 4 * 2
+    group = max(1, _DECODE_GROUP_BYTES // per_seq)
+    outs = []
+    for b0 in range(0, b_sz, group):
+        b1 = min(b_sz, b0 + group)
+        n = max(need[b0:b1])
+        blocks = block_table[b0:b1, :n].long()
+        if min(need[b0:b1]) < n:
+            used = torch.arange(n, device=blocks.device).unsqueeze(0) < torch.tensor(
+                need[b0:b1], device=blocks.device
+            ).unsqueeze(1)
+            blocks = torch.where(used, blocks, blocks[:, :1])
+        outs.append(_gqa_decode_group(
+            qop[b0:b1], coef, vsc, key_cache, value_cache, blocks, lens[b0:b1], hkv,
+            layout, ws))  # fmt: skip
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _gqa_operands(query, hkv, scale, k_scale, v_scale, q_scale):
+    """``query`` ``[B, S, H, D]`` -> ``(qop, coef, v_scale)``: the fp32 query
+    operand (int8 codes as exact fp32 integers in FAQuant; C8's per-channel K
+    scale folded in), the fp32 score factor ``[Hkv, g, 1, 1]`` and the fp32 V
+    factor (``[Hkv, 1]`` or ``[Hkv, D]``, or None)."""
+    h, d = query.shape[2], query.shape[3]
+    g = h // hkv
+    ks = _kv_scale(k_scale, hkv, query.dtype)
+    vsc = _kv_scale(v_scale, hkv, query.dtype)
+    if q_scale is not None:
+        qop = _quantize(query, q_scale.view(1, 1, h))
+        coef = q_scale * ks.view(hkv).repeat_interleave(g) * scale
+    elif ks is not None and ks.shape[1] > 1:
+        # per channel: s_k varies along the contraction, so fold it into the query
+        qop = query.float() * ks.repeat_interleave(g, dim=0).view(1, 1, h, d)
+        coef = torch.full((h,), float(scale), device=query.device)
+    else:
+        qop = query.float()
+        coef = (
+            ks.view(hkv).repeat_interleave(g) * scale
+            if ks is not None
+            else torch.full((h,), float(scale), device=query.device)
+        )
+    return qop, coef.float().view(hkv, g, 1, 1), vsc
 
 
 def _gqa_attention(
@@ -717,46 +778,16 @@ def _gqa_attention(
     b_sz, s_len, h, d = query.shape
     hkv = num_kv_heads
     g = h // hkv
-    ks = _kv_scale(k_scale, hkv, query.dtype)
-    vsc = _kv_scale(v_scale, hkv, query.dtype)
-    if q_scale is not None:
-        qop = _quantize(query, q_scale.view(1, 1, h))
-        coef = q_scale * ks.view(hkv).repeat_interleave(g) * scale
-    elif ks is not None and ks.shape[1] > 1:
-        # per channel: s_k varies along the contraction, so fold it into the query
-        qop = query.float() * ks.repeat_interleave(g, dim=0).view(1, 1, h, d)
-        coef = torch.full((h,), float(scale), device=query.device)
-    else:
-        qop = query.float()
-        coef = (
-            ks.view(hkv).repeat_interleave(g) * scale
-            if ks is not None
-            else torch.full((h,), float(scale), device=query.device)
-        )
-    coef = coef.float().view(hkv, g, 1, 1)
-    out = torch.zeros(b_sz, s_len, h, d, dtype=torch.float32, device=query.device)
+    qop, coef, vsc = _gqa_operands(query, hkv, scale, k_scale, v_scale, q_scale)
     lens = seq_lens.tolist()
+    if s_len == 1:
+        out = _gqa_decode(qop[:, 0], coef, vsc, key_cache, value_cache, block_table,
+                          lens, hkv, layout)  # fmt: skip
+        return out.unsqueeze(1)
+    out = torch.zeros(b_sz, s_len, h, d, dtype=torch.float32, device=query.device)
     qlens = query_lens.tolist() if query_lens is not None else [s_len] * b_sz
     bs = key_cache.shape[2] if layout == "nz" else key_cache.shape[1]
     ws = _workspace(query.device)
-    if s_len == 1:
-        # Decode: groups of sequences share one gather / bmm / softmax each; short
-        # sequences are padded to the group's longest and masked.
-        need = [-(-n // bs) for n in lens]
-        per_seq = max(need) * bs * h // g * d * 4 * 2
-        group = max(1, _DECODE_GROUP_BYTES // per_seq)
-        for b0 in range(0, b_sz, group):
-            b1 = min(b_sz, b0 + group)
-            n = max(need[b0:b1])
-            blocks = block_table[b0:b1, :n].long()
-            used = torch.arange(n, device=blocks.device).unsqueeze(0) < torch.tensor(
-                need[b0:b1], device=blocks.device
-            ).unsqueeze(1)
-            blocks = torch.where(used, blocks, blocks[:, :1])
-            out[b0:b1, 0] = _gqa_decode_group(
-                qop[b0:b1, 0], coef, vsc, key_cache, value_cache, blocks,
-                seq_lens[b0:b1].long(), hkv, layout, ws)  # fmt: skip
-        return out
     for b in range(b_sz):
         n_ctx, n_q = lens[b], qlens[b]
         if n_q == 0:
@@ -859,6 +890,30 @@ def _paged_attention_op(
     q_scale: torch.Tensor | None,
     layout: str,
 ) -> torch.Tensor:
+    return paged_attention_cpu(
+        query, key_cache, value_cache, block_table, seq_lens, num_kv_heads, scale,
+        k_scale, v_scale, q_scale, layout,
+    )  # fmt: skip
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+    layout: str,
+) -> torch.Tensor:
+    """``ascend_fa::paged_attention``'s implementation (the CPU / CUDA emulation),
+    also called directly for validated arguments that
+    :func:`~.cache.direct_cpu_call` accepts: a decode step calls it once per
+    layer, and the op's dispatch would cost more than a short context's
+    arithmetic."""
     out = _gqa_attention(
         query.unsqueeze(1),
         key_cache,

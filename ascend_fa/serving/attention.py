@@ -92,6 +92,97 @@ def doubled_slots(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.where(s >= 0, out, torch.full_like(s, -1))
 
 
+class _StepPlan:
+    """What one engine step's attention metadata means to the ops, worked out by
+    the step's first layer and reused by the others: vLLM builds one metadata
+    object per step (the CPU backend's ``build``) and hands it to every layer.
+
+    ``matches`` compares the object and the contents of its tensors with what the
+    plan was made from, so a step whose metadata reuses an object or its buffers
+    never runs on another step's plan. ``first_call`` tells whether a call of this
+    kind (op, cache shape and dtype) already ran the ops' checks in this step; the
+    other layers skip them (same block table, lengths, slots, shapes and dtypes;
+    each layer's scales were checked when they loaded)."""
+
+    def __init__(self, source, tensors: tuple[torch.Tensor, ...]):
+        self.source = source
+        self.copies = tuple(t.clone() for t in tensors)
+        self.checked: set = set()
+
+    def matches(self, source, tensors: tuple[torch.Tensor, ...]) -> bool:
+        return source is self.source and all(
+            a.shape == b.shape and torch.equal(a, b)
+            for a, b in zip(tensors, self.copies)
+        )
+
+    def first_call(self, key) -> bool:
+        if key in self.checked:
+            return False
+        self.checked.add(key)
+        return True
+
+
+class _AttentionPlan(_StepPlan):
+    """The step's sequences split into decodes (one query token) and prefills,
+    with the doubled block table and the lengths the ops take."""
+
+    def __init__(self, meta):
+        super().__init__(meta, _meta_tensors(meta))
+        starts = meta.query_start_loc.tolist()
+        lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        self.starts, self.lens = starts, lens
+        seq_lens = meta.seq_lens[: len(lens)].to(torch.int32)
+        table = (meta.block_table[: len(lens)] * 2).to(torch.int32)
+        dec = [i for i, n in enumerate(lens) if n == 1]
+        self.pre = [i for i, n in enumerate(lens) if n > 1]
+        self.decode = None
+        if dec == list(range(len(lens))):  # a decode batch: query rows 0 .. B-1
+            self.decode = (slice(0, len(dec)), table, seq_lens)
+        elif dec:
+            rows = torch.tensor([starts[i] for i in dec])
+            self.decode = (rows, table[dec].contiguous(), seq_lens[dec].contiguous())
+        if self.pre:
+            self.prefill = (table[self.pre].contiguous(),
+                            seq_lens[self.pre].contiguous(),
+                            torch.tensor([lens[i] for i in self.pre],
+                                         dtype=torch.int32))  # fmt: skip
+
+
+def _meta_tensors(meta) -> tuple[torch.Tensor, ...]:
+    return (meta.query_start_loc, meta.seq_lens, meta.block_table)
+
+
+#: The current step's plans (one engine runs its layers one after another).
+_PLANS: dict[str, _StepPlan] = {}
+
+
+def _attention_plan(meta) -> _AttentionPlan:
+    plan = _PLANS.get("attention")
+    if plan is None or not plan.matches(meta, _meta_tensors(meta)):
+        plan = _PLANS["attention"] = _AttentionPlan(meta)
+    return plan
+
+
+class _SlotPlan(_StepPlan):
+    """The step's slot mapping in the doubled cache (:func:`doubled_slots`)."""
+
+    def __init__(self, slot_mapping: torch.Tensor, block_size: int):
+        super().__init__(slot_mapping, (slot_mapping,))
+        self.block_size = block_size
+        self.slots = doubled_slots(slot_mapping, block_size)
+
+
+def _slot_plan(slot_mapping: torch.Tensor, block_size: int) -> _SlotPlan:
+    plan = _PLANS.get("slots")
+    if (
+        plan is None
+        or plan.block_size != block_size
+        or not plan.matches(slot_mapping, (slot_mapping,))
+    ):
+        plan = _PLANS["slots"] = _SlotPlan(slot_mapping, block_size)
+    return plan
+
+
 class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention impl with the cache write and the attention replaced
     by ascend-fa's ops (the metadata is the CPU backend's)."""
@@ -110,20 +201,30 @@ class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
         impl.__class__ = cls
         impl.ascend_mode = mode
         impl.ascend_layout = layout
+        impl.ascend_views = None
         return impl
+
+    def _views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`cache_views` of the layer's cache, made once per cache tensor."""
+        got = self.ascend_views
+        if got is None or got[0] is not kv_cache:
+            kc, vc = cache_views(kv_cache, self.num_kv_heads, self.head_size,
+                                 self.ascend_layout)  # fmt: skip
+            got = self.ascend_views = (kv_cache, kc, vc)
+        return got[1], got[2]
 
     def _scales(self, layer) -> dict[str, torch.Tensor]:
         return layer.ascend_kv_scales
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        kc, vc = cache_views(kv_cache, self.num_kv_heads, self.head_size,
-                             self.ascend_layout)  # fmt: skip
-        bs = kv_cache.shape[2]
+        kc, vc = self._views(kv_cache)
+        plan = _slot_plan(slot_mapping, kv_cache.shape[2])
         n = slot_mapping.shape[0]
         sc = self._scales(layer)
+        check = plan.first_call(("write", kv_cache.shape, key.dtype, n))
         reshape_and_cache(
-            key[:n], value[:n], kc, vc, doubled_slots(slot_mapping, bs),
-            k_scale=sc["k"], v_scale=sc["v"], layout=self.ascend_layout,
+            key[:n], value[:n], kc, vc, plan.slots, k_scale=sc["k"], v_scale=sc["v"],
+            layout=self.ascend_layout, check=check,
         )  # fmt: skip
 
     def forward(
@@ -142,39 +243,34 @@ class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("ascend-fa: fused output quantization")
         if attn_metadata is None:  # profiling run
             return output
-        kc, vc = cache_views(kv_cache, self.num_kv_heads, self.head_size,
-                             self.ascend_layout)  # fmt: skip
+        kc, vc = self._views(kv_cache)
         sc = self._scales(layer)
         common = dict(
             num_kv_heads=self.num_kv_heads, scale=self.scale, k_scale=sc["k"],
             v_scale=sc["v"], q_scale=sc.get("q"), layout=self.ascend_layout,
         )  # fmt: skip
-        starts = attn_metadata.query_start_loc.tolist()
-        lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-        seq_lens = attn_metadata.seq_lens[: len(lens)].to(torch.int32)
-        table = (attn_metadata.block_table[: len(lens)] * 2).to(torch.int32)
-        dec = [i for i, n in enumerate(lens) if n == 1]
-        pre = [i for i, n in enumerate(lens) if n > 1]
-        if dec:
-            rows = torch.tensor([starts[i] for i in dec])
-            out = paged_attention(
-                query[rows].contiguous(), kc, vc, table[dec].contiguous(),
-                seq_lens[dec].contiguous(), **common,
-            )  # fmt: skip
+        plan = _attention_plan(attn_metadata)
+        if plan.decode is not None:
+            rows, table, seq_lens = plan.decode
+            check = plan.first_call(("decode", kv_cache.shape, query.dtype))
+            out = paged_attention(query[rows].contiguous(), kc, vc, table, seq_lens,
+                                  check=check, **common)  # fmt: skip
             output[rows] = out.to(output.dtype)
-        if pre:
-            s = max(lens[i] for i in pre)
-            q = query.new_zeros(len(pre), s, self.num_heads, self.head_size)
-            for j, i in enumerate(pre):
-                q[j, : lens[i]] = query[starts[i] : starts[i + 1]]
-            qlens = torch.tensor([lens[i] for i in pre], dtype=torch.int32)
-            out = prefill_attention(
-                q, kc, vc, table[pre].contiguous(), seq_lens[pre].contiguous(),
-                query_lens=qlens, **common,
-            )  # fmt: skip
-            for j, i in enumerate(pre):
-                output[starts[i] : starts[i + 1]] = out[j, : lens[i]].to(output.dtype)
+        if plan.pre:
+            self._prefill(query, kc, vc, plan, output, common)
         return output
+
+    def _prefill(self, query, kc, vc, plan: _AttentionPlan, output, common) -> None:
+        starts, lens, pre = plan.starts, plan.lens, plan.pre
+        table, seq_lens, qlens = plan.prefill
+        s = max(lens[i] for i in pre)
+        q = query.new_zeros(len(pre), s, self.num_heads, self.head_size)
+        for j, i in enumerate(pre):
+            q[j, : lens[i]] = query[starts[i] : starts[i + 1]]
+        out = prefill_attention(q, kc, vc, table, seq_lens, query_lens=qlens,
+                                **common)  # fmt: skip
+        for j, i in enumerate(pre):
+            output[starts[i] : starts[i + 1]] = out[j, : lens[i]].to(output.dtype)
 
 
 class AscendCPUAttentionBackend(CPUAttentionBackend):

@@ -208,3 +208,44 @@ def test_bad_inputs_name_the_problem():
         quantize_static(torch.ones(2, 2), torch.zeros(1), torch.zeros(1))
     with pytest.raises(ValueError, match="must be floating"):
         dynamic_quant(x_q)
+
+
+class _Dispatched(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing: with it active, the linears'
+    forward takes the checked ops through ``torch.ops`` (no direct CPU call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_linear_forward_direct_path_is_the_ops_bit_for_bit(dtype, rows):
+    """The decode fast path of W8A8Linear / W8A8DynamicLinear (the ops' CPU
+    arithmetic called directly on the module's checked buffers) gives the integers
+    and roundings of the checked ops and of the naive references, one token
+    (decode) and several, bias folded (static) and float bias (dynamic)."""
+    from ascend_fa.linear import W8A8DynamicLinear, W8A8Linear
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(13, 40, generator=g)
+    b = torch.randn(13, generator=g)
+    x = (torch.randn(2, rows, 40, generator=g) * 3).to(dtype)
+    static = W8A8Linear.from_float(w, b, -4.0, 5.0, dtype=dtype)
+    dynamic = W8A8DynamicLinear.from_float(w, b, dtype=dtype)
+    flat = x.reshape(-1, 40)
+    assert static._direct(x) and dynamic._direct(x)
+    with _Dispatched():
+        assert not static._direct(x)
+        static_ops, dynamic_ops = static(x), dynamic(x)
+    codes = quantize_static_ref(flat, static.activation_reciprocal(),
+                                static.input_offset.float())  # fmt: skip
+    ref = quant_matmul_ref(codes, static.weight, static.deq_scale, static.quant_bias,
+                           dtype).view(2, rows, 13)  # fmt: skip
+    got = static(x)
+    assert got.dtype == dtype and torch.equal(got, static_ops) and torch.equal(got, ref)
+    q, pts = dynamic_quant_ref(flat)
+    ref = quant_matmul_dynamic_ref(q, dynamic.weight, dynamic.weight_scale, pts,
+                                   dynamic.bias, dtype).view(2, rows, 13)  # fmt: skip
+    got = dynamic(x)
+    assert torch.equal(got, dynamic_ops) and torch.equal(got, ref)

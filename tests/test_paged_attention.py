@@ -315,3 +315,46 @@ def test_decode_full_blocks_without_padding(rng):
     out = paged_attention(*args, **kw)
     ref = paged_attention_ref(*args, **kw)
     assert float((out.double() - ref).abs().max()) <= FLOOR
+
+
+class _Dispatched(torch.overrides.TorchFunctionMode):
+    """Changes nothing, but with it active every call goes through ``torch.ops``
+    (no direct CPU call)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scales", ["faquant", "c8"])
+@pytest.mark.parametrize("lens", [[45], [70, 90], [1, 37, 70]])
+def test_decode_fast_path(rng, scales, lens):
+    """The decode path of a serving step: the op's CPU implementation called
+    directly, ``check=False`` (a step's later layers), one gather group whose
+    result is returned as is, the block table's columns taken as they are when
+    every sequence uses the same number of blocks ([45]: one sequence, a table
+    wider than it needs; [70, 90]: both three blocks) and rewritten otherwise.
+    The same bits as the op through ``torch.ops``, within the error budget of the
+    float64 reference; per-channel (C8) K / V scales with a float query too."""
+    env = build(rng, mode="faquant", dtype=torch.bfloat16, layout="nd", lens=lens)
+    h, d, hkv = env["h"], env["d"], env["hkv"]
+    wide = torch.cat([env["table"], env["table"][:, :1]], dim=1)  # unused column
+    query = torch.randn(len(lens), h, d, generator=rng).bfloat16()
+    if scales == "faquant":
+        sc = dict(k_scale=env["ks"], v_scale=env["vs"], q_scale=_amax_scale(query, 1))
+    else:
+        k_s, v_s = (env[n + "s"].view(hkv, 1).expand(hkv, d).contiguous() for n in "kv")
+        sc = dict(k_scale=k_s, v_scale=v_s)
+    kw = dict(num_kv_heads=hkv, scale=1 / math.sqrt(d), layout="nd", **sc)
+    args = (query, env["kc"], env["vc"], wide, env["seq_lens"])
+    out = paged_attention(*args, **kw)
+    assert torch.equal(paged_attention(*args, **kw, check=False), out)
+    with _Dispatched():
+        assert torch.equal(paged_attention(*args, **kw), out)
+    ref = paged_attention_ref(*args, **kw)
+    plain = paged_attention_ref(*args, **kw, compute_dtype=torch.bfloat16)
+    err = float((out.double() - ref).abs().max())
+    assert err <= 2 * float((plain.double() - ref).abs().max()) + FLOOR, err
+    bad = wide.clone()
+    bad[0, 0] = 10_000
+    with pytest.raises(ValueError, match="block_table"):
+        paged_attention(query, env["kc"], env["vc"], bad, env["seq_lens"], **kw)

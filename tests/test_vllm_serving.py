@@ -156,9 +156,12 @@ def _prompts() -> list[list[int]]:
     return [tok(text)["input_ids"], tok(TEXTS[1] * 2)["input_ids"]]
 
 
-def drive(vllm_python: Path, runs: list, tmp: Path, overlay: Path | None) -> dict:
-    """Run the driver on ``runs`` (with the plugin when ``overlay`` is given)."""
-    req = {"runs": runs, "prompts": _prompts(), "max_tokens": MAX_TOKENS,
+def drive(
+    vllm_python: Path, runs: list, tmp: Path, overlay: Path | None, prompts=None
+) -> dict:
+    """Run the driver on ``runs`` (with the plugin when ``overlay`` is given) and
+    ``prompts`` (default :func:`_prompts`)."""
+    req = {"runs": runs, "prompts": prompts or _prompts(), "max_tokens": MAX_TOKENS,
            "logprobs": TOP_K}  # fmt: skip
     path = tmp / "req.json"
     path.write_text(json.dumps(req))
@@ -262,10 +265,10 @@ def _hf_rows(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
     return torch.log_softmax(torch.cat(rows), dim=-1)
 
 
-def _max_diff(run: dict, rows_of) -> float:
+def _max_diff(run: dict, rows_of, prompts=None) -> float:
     """Max |logprob| over vLLM's top-K of every prompt / decode position."""
     worst = 0.0
-    for prompt, out in zip(_prompts(), run["outputs"]):
+    for prompt, out in zip(prompts or _prompts(), run["outputs"]):
         rows = rows_of(prompt, out["tokens"])
         entries = out["prompt_logprobs"][1:] + out["logprobs"]
         assert len(entries) == rows.shape[0]
@@ -335,9 +338,15 @@ def _naive_codes(x: torch.Tensor, scale: torch.Tensor, c8: bool) -> torch.Tensor
 
 @pytest.mark.parametrize("name", ["faquant", "c8"])
 def test_kv_codes_bit_exact(engine, name):
+    _check_codes(engine["probe"][name], c8=name == "c8")
+
+
+def _check_codes(probe: Path, c8: bool) -> None:
+    """The int8 codes vLLM's cache holds (``probe``) equal ``reshape_and_cache``'s
+    and a naive loop's, bit for bit."""
     from ascend_fa.attention import reshape_and_cache
 
-    p = torch.load(engine["probe"][name])
+    p = torch.load(probe)
     assert p["cache_dtype"] == "torch.int8"
     key, value, slots = p["key"], p["value"], p["slots"]
     sc = p["scales"]
@@ -352,7 +361,6 @@ def test_kv_codes_bit_exact(engine, name):
     ours_v = vc.reshape(-1, hkv, d)[slots.long()]
     assert torch.equal(p["k_codes"], ours_k)
     assert torch.equal(p["v_codes"], ours_v)
-    c8 = name == "c8"
     assert torch.equal(p["k_codes"], _naive_codes(key, sc["k"], c8))
     assert torch.equal(p["v_codes"], _naive_codes(value, sc["v"], c8))
 
@@ -481,3 +489,58 @@ def _stop(proc, signal) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+@pytest.fixture(scope="module")
+def demo_c8(tmp_path_factory) -> dict:
+    """The demo model's vllm-ascend C8 artifact: ``ascend-fa calibrate --target
+    vllm-ascend --consumer-version main`` on the embedded SmolLM2 default (a Llama:
+    float linears, per-channel int8 KV cache), calibrated on 4 x 64 tokens to stay
+    cheap; with the source model in bf16 and its tokenizer."""
+    pytest.importorskip("gguf")
+    from ascend_fa.cli import main
+    from ascend_fa.models import ModelNotFoundError, load_model
+
+    try:
+        loaded = load_model(None, dtype=torch.bfloat16)
+    except ModelNotFoundError as exc:
+        if _in_ci():
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    out = tmp_path_factory.mktemp("demo") / "smollm2_c8"
+    args = ["calibrate", "--target", "vllm-ascend", "--consumer-version", "main",
+            "--num-samples", "4", "--max-length", "64", "--heldout", "0",
+            "--no-report", "-q", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    prompts = [loaded.tokenizer(t)["input_ids"] for t in (TEXTS[0], TEXTS[1])]
+    return {"artifact": out, "model": loaded.model.eval(), "prompts": prompts}
+
+
+def test_demo_c8_artifact_serves_and_matches_emulation(
+    vllm_python, overlay, demo_c8, tmp_path
+):
+    """The demo model's C8 artifact serves with ``vllm.LLM(DIR,
+    quantization="ascend")``: its per-token logprobs equal the emulation's
+    (``enable_paged_int8_attention(mode="c8")``) within :data:`LOGPROB_BOUND`, and
+    its int8 K/V codes equal ``reshape_and_cache``'s bit for bit."""
+    from ascend_fa.emulation import enable_paged_int8_attention
+    from ascend_fa.emulation.verb import artifact_scales
+    from ascend_fa.linear.io import artifact_model
+
+    art, prompts = demo_c8["artifact"], demo_c8["prompts"]
+    run = {"model": str(art), "quantization": "ascend",
+           "probe": str(tmp_path / "demo.pt")}  # fmt: skip
+    (got,) = drive(vllm_python, [run], tmp_path, overlay, prompts)["runs"]
+    assert "refused" not in got, got.get("refused")
+    assert [len(o["tokens"]) for o in got["outputs"]] == [MAX_TOKENS] * 2
+    model = artifact_model(demo_c8["model"], art) or demo_c8["model"]
+    _, scales = artifact_scales(art)
+
+    def rows(prompt, gen):
+        with enable_paged_int8_attention(model, mode="c8", scales=scales):
+            return _hf_rows(model, prompt, gen)
+
+    worst = _max_diff(got, rows, prompts)
+    print(f"\ndemo C8: plugin vs emulation, max |logprob| difference {worst:.4f}")
+    assert worst <= LOGPROB_BOUND, f"demo C8: plugin vs emulation {worst:.4f}"
+    _check_codes(tmp_path / "demo.pt", c8=True)

@@ -221,7 +221,8 @@ class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
         plan = _slot_plan(slot_mapping, kv_cache.shape[2])
         n = slot_mapping.shape[0]
         sc = self._scales(layer)
-        check = plan.first_call(("write", kv_cache.shape, key.dtype, n))
+        check = plan.first_call(("write", kv_cache.shape, key.shape, key.dtype,
+                                 self.ascend_mode))  # fmt: skip
         reshape_and_cache(
             key[:n], value[:n], kc, vc, plan.slots, k_scale=sc["k"], v_scale=sc["v"],
             layout=self.ascend_layout, check=check,
@@ -252,7 +253,8 @@ class AscendCPUAttentionImpl(CPUAttentionBackendImpl):
         plan = _attention_plan(attn_metadata)
         if plan.decode is not None:
             rows, table, seq_lens = plan.decode
-            check = plan.first_call(("decode", kv_cache.shape, query.dtype))
+            check = plan.first_call(("decode", kv_cache.shape, query.shape,
+                                     query.dtype, self.ascend_mode))  # fmt: skip
             out = paged_attention(query[rows].contiguous(), kc, vc, table, seq_lens,
                                   check=check, **common)  # fmt: skip
             output[rows] = out.to(output.dtype)

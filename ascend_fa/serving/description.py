@@ -29,7 +29,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ascend_fa.artifact.format import FA_QUANT_TYPES, description_problem, is_meta_key
+from ascend_fa.artifact.format import (
+    FA_QUANT_TYPES,
+    TARGET_METADATA_KEY,
+    description_problem,
+    is_meta_key,
+)
 from ascend_fa.errors import FileFormatError, UnsupportedError
 
 __all__ = [
@@ -85,6 +90,13 @@ class ServingDescription:
     @property
     def fa_quant_type(self) -> str | None:
         return self.raw.get("fa_quant_type")
+
+    @property
+    def target(self) -> str | None:
+        """The consumer the artifact was written for, as ascend-fa records it
+        (``metadata.ascend_fa_target``; None for other writers)."""
+        meta = self.raw.get("metadata")
+        return meta.get(TARGET_METADATA_KEY) if isinstance(meta, dict) else None
 
     @property
     def kv_cache_type(self) -> str | None:

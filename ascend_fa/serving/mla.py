@@ -9,7 +9,11 @@ tensor             use
 =================  ==========================================================
 ``fa_q.scale``     ``[H]``: the absorbed query ``q_nope @ W_UK`` ``[T, H, R]``
                    quantized statically per head (MindIE's FAKQuant, and
-                   ``ascend-fa eval``'s fake-quant of the artifact)
+                   ``ascend-fa eval``'s fake-quant of the artifact); for an
+                   artifact written for vllm-ascend (its description's
+                   ``metadata.ascend_fa_target``) the query is quantized per
+                   token and head dynamically instead, ``rowmax|q| / 127``, as
+                   vllm-ascend's MLA does (``fa_q`` loaded, not used)
 ``fa_k.scale``     ``[1]``: the latent ``c_kv`` after ``kv_a_layernorm``
                    ``[T, R]``, int8 in the cache; K and V of absorbed MLA
 ``fa_v.scale``     ``[1]``: loaded and checked, not used (the device
@@ -104,7 +108,8 @@ def latent_cache_views(
 class AscendMLAImpl(CPUMLAImpl):
     """vLLM's CPU MLA impl (its constructor's checks and attributes) with the
     cache write, the decode and the prefill replaced by ascend-fa's ops. The
-    quant method sets ``ascend_scales`` (``{"q", "k", "v"}`` fp32),
+    quant method sets ``ascend_scales`` (``{"q", "k", "v"}`` fp32; ``q`` None
+    for a dynamic query),
     ``ascend_layout`` and ``ascend_layer`` (the layer, for ``W_UK_T`` / ``W_UV``)
     after loading."""
 
@@ -203,7 +208,13 @@ class AscendMLABackend(CPUMLABackend):
 
 class AscendMLAMethod(BaseKVCacheMethod):
     """The quant method of an ``MLAAttention`` layer of a FAKQuant artifact:
-    loads ``fa_{q,k,v}`` and switches the layer to :class:`AscendMLABackend`."""
+    loads ``fa_{q,k,v}`` and switches the layer to :class:`AscendMLABackend`.
+    ``dynamic_query``: quantize the query per token and head at run time
+    (vllm-ascend) instead of with ``fa_q`` (MindIE)."""
+
+    def __init__(self, quant_config, dynamic_query: bool = False):
+        super().__init__(quant_config)
+        self.dynamic_query = dynamic_query
 
     def create_weights(self, layer) -> None:
         from vllm.config import get_current_vllm_config
@@ -250,6 +261,8 @@ class AscendMLAMethod(BaseKVCacheMethod):
         if not isinstance(impl, AscendMLAImpl):
             raise ValueError(f"{attn}: vLLM built {type(impl).__name__}, not the "
                              "plugin's MLA impl")  # fmt: skip
+        if self.dynamic_query:
+            scales["q"] = None
         impl.ascend_scales = scales
         impl.ascend_layout = layer.ascend_layout
         impl.ascend_layer = weakref.proxy(layer)

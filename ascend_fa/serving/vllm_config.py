@@ -148,7 +148,9 @@ class AscendQuantConfig(QuantizationConfig):
                     f"{prefix}: {scheme} is GQA attention; this MLA layer takes "
                     "fa_quant_type FAKQuant (or float attention)"
                 )
-            return None if scheme is None else AscendMLAMethod(self)
+            if scheme is None:
+                return None
+            return AscendMLAMethod(self, self.description.target == "vllm-ascend")
         if isinstance(layer, Attention):
             scheme = self.attention_scheme()
             if scheme == "FAKQuant":

@@ -28,7 +28,8 @@ vllm-ascend artifact -- on the absorbed query, ``fa_k`` on the latent) within
 stored unchanged; the NZ cache layout gives the ND outputs exactly; an artifact
 whose FAKQuant tensors disagree with the description, and a block size the int8
 cache cannot use (vLLM's reference ``CPU_MLA`` backend forces 16), stop at
-start-up with one line.
+start-up with one line. On a CPU without AMX vLLM picks ``CPU_MLA`` (block size
+16) for every MLA model, so the serving checks skip there with the refusal's line.
 """
 
 from __future__ import annotations
@@ -184,6 +185,18 @@ def test_bad_mla_input_stops_at_start_up_in_one_line(mla_engine, name):
     assert len(lines) == 1, refused
 
 
+def _served(run: dict) -> dict:
+    """``run``, which must have served; on a CPU without AMX vLLM forces block
+    size 16 for every MLA model, which the plugin refuses: the test skips there
+    with that line (``test_bad_mla_input_stops_at_start_up_in_one_line`` checks
+    the refusal itself)."""
+    refused = run.get("refused")
+    if refused is not None and BAD["block16"] in refused:
+        pytest.skip(f"vLLM chose block size 16 on this CPU: {refused[-300:]}")
+    assert refused is None, refused
+    return run
+
+
 def _rows(model, prompt: list[int], gen: list[int]) -> torch.Tensor:
     """Log-softmax rows of one causal forward over the prompt and the generated
     tokens: row ``i`` predicts token ``i + 1`` (the prefill and decode positions
@@ -234,8 +247,7 @@ def test_plugin_matches_eval_fakquant(mla_engine, mla_artifacts, name):
     from ascend_fa.evaluation import DynamicFakeQuant, read_artifact_scales
     from ascend_fa.linear.io import artifact_model
 
-    run = mla_engine[name]
-    assert "refused" not in run, run.get("refused")
+    run = _served(mla_engine[name])
     art = mla_artifacts[name]
     model = artifact_model(_load_hf(mla_artifacts["src"]), art)
     scales = read_artifact_scales(art)
@@ -268,6 +280,7 @@ def _naive_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
 def test_latent_codes_bit_exact(mla_engine):
     from ascend_fa.attention import reshape_and_cache_mla
 
+    _served(mla_engine["fak"])
     p = torch.load(mla_engine["probe"])
     latent, rope, slots = p["latent"], p["rope"], p["slots"]
     k_scale = p["scales"]["k"]
@@ -287,5 +300,5 @@ def test_latent_codes_bit_exact(mla_engine):
 
 
 def test_mla_nz_cache_layout_gives_the_same_outputs(mla_engine):
-    assert "refused" not in mla_engine["fak_nz"], mla_engine["fak_nz"]
-    assert mla_engine["fak_nz"]["outputs"] == mla_engine["fak"]["outputs"]
+    nz = _served(mla_engine["fak_nz"])
+    assert nz["outputs"] == _served(mla_engine["fak"])["outputs"]

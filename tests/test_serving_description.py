@@ -59,7 +59,6 @@ def test_fused_shards_of_different_types_refused():
     "key, value, needle",
     [
         (f"{ATTN}.o_proj.weight", "W4A8_DYNAMIC", f"{ATTN}.o_proj.weight"),
-        ("fa_quant_type", "FAKQuant", "FAKQuant (MLA)"),
         ("fa_quant_type", "FA8", "fa_quant_type 'FA8'"),
         ("kv_cache_type", "C4", "kv_cache_type 'C4'"),
     ],
@@ -70,6 +69,22 @@ def test_unknown_types_refused_in_one_line(key, value, needle):
     with pytest.raises(UnsupportedError) as e:
         ServingDescription(d)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fakquant_accepted():
+    """FAKQuant (MLA) is served (``ascend_fa.serving.mla``); whether the model's
+    attention is MLA is checked when vLLM builds the layers."""
+    d = _desc()
+    d["fa_quant_type"] = "FAKQuant"
+    assert ServingDescription(d).fa_quant_type == "FAKQuant"
+
+
+def test_recorded_target():
+    """The MLA query mode follows the recorded target (vllm-ascend: dynamic)."""
+    d = _desc()
+    assert ServingDescription(d).target is None
+    d["metadata"] = {"ascend_fa_target": "vllm-ascend"}
+    assert ServingDescription(d).target == "vllm-ascend"
 
 
 def test_malformed_description_refused():

@@ -6,8 +6,9 @@ there only through the overlay on PYTHONPATH (``ci/vllm_plugin_overlay.sh``).
     python tests/vllm_serving_driver.py REQUEST.json
 
 REQUEST: ``{"runs": [{"model": DIR, "quantization": "ascend" | null, "probe":
-PATH | null, "env": {NAME: VALUE}}], "prompts": [[ids]], "max_tokens": N,
-"logprobs": K}`` (``env``: set while that engine starts).
+PATH | null, "env": {NAME: VALUE}, "llm_kwargs": {...}}], "prompts": [[ids]],
+"max_tokens": N, "logprobs": K}`` (``env``: set while that engine starts;
+``llm_kwargs``: more keyword arguments of ``vllm.LLM``).
 
 Output (last stdout line): ``{"cpu": ..., "runs": [{"outputs": [{"prompt_logprobs",
 "tokens", "logprobs"}], "num_blocks": n, "block_size": bs, "cache_dtype": str}]}``;
@@ -118,6 +119,7 @@ def run_engine(req: dict, run: dict) -> dict:
     probe = _Probe() if run.get("probe") else None
     os.environ.update(run.get("env", {}))
     kwargs = {"quantization": run["quantization"]} if run.get("quantization") else {}
+    kwargs.update(run.get("llm_kwargs", {}))
     try:
         llm = LLM(
             model=run["model"], dtype="bfloat16", enforce_eager=True, seed=0,

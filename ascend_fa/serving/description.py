@@ -16,6 +16,8 @@ type               layers                                                   emul
 ``W8A8_DYNAMIC``   linear, MoE experts (per-token activation)               yes
 ``FAQuant``        attention (MindIE's FA3: Q/K/V int8 per head, static)    yes
 ``C8``             KV cache (vllm-ascend's int8 per-channel cache)          yes
+``FAKQuant``       MLA attention (DeepSeek: int8 latent cache, query int8   yes
+                   per head, static; ``fa_quant_type``)
 =================  =======================================================  ========
 
 (see the README's "Serve in vLLM").
@@ -27,7 +29,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ascend_fa.artifact.format import FA_QUANT_TYPES, description_problem, is_meta_key
+from ascend_fa.artifact.format import (
+    FA_QUANT_TYPES,
+    TARGET_METADATA_KEY,
+    description_problem,
+    is_meta_key,
+)
 from ascend_fa.errors import FileFormatError, UnsupportedError
 
 __all__ = [
@@ -74,12 +81,6 @@ class ServingDescription:
                 f"quant_model_description.json: fa_quant_type {fa!r} is not one of "
                 f"{', '.join(FA_QUANT_TYPES)}"
             )
-        if fa == "FAKQuant":
-            raise UnsupportedError(
-                "quant_model_description.json: fa_quant_type FAKQuant (MLA) is not "
-                "served by the ascend-fa vLLM plugin yet (no MLA attention path; "
-                "vLLM's CPU_MLA backend is where one would go)"
-            )
         kv = desc.get("kv_cache_type")
         if kv is not None and kv != "C8":
             raise UnsupportedError(
@@ -89,6 +90,13 @@ class ServingDescription:
     @property
     def fa_quant_type(self) -> str | None:
         return self.raw.get("fa_quant_type")
+
+    @property
+    def target(self) -> str | None:
+        """The consumer the artifact was written for, as ascend-fa records it
+        (``metadata.ascend_fa_target``; None for other writers)."""
+        meta = self.raw.get("metadata")
+        return meta.get(TARGET_METADATA_KEY) if isinstance(meta, dict) else None
 
     @property
     def kv_cache_type(self) -> str | None:

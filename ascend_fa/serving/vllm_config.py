@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention import Attention, MLAAttention
 from vllm.model_executor.layers.fused_moe import RoutedExperts
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import register_quantization_config
@@ -37,6 +37,7 @@ from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
 from .description import ServingDescription, check_tensors, tensor_dtypes
 from .experts import AscendW8A8DynamicMoEMethod
 from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
+from .mla import MLA_SCALE_MAPPER_REGEX, AscendMLAMethod
 
 __all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
 
@@ -64,6 +65,7 @@ class AscendQuantConfig(QuantizationConfig):
     def __init__(self, description: ServingDescription):
         super().__init__()
         self.description = description
+        self.mla = False  # set when an MLAAttention layer asks for its method
 
     def get_name(self) -> str:
         return QUANT_METHOD
@@ -115,8 +117,11 @@ class AscendQuantConfig(QuantizationConfig):
     def get_cache_scale_mapper(self) -> WeightsMapper:
         """FA scales ``<attn>.fa_q.scale`` load as ``<attn>.attn.fa_q_scale``;
         C8 ``<attn>.k_proj.kv_cache_scale`` as ``<attn>.attn.k_cache_scale``
-        (:data:`.attention.SCALE_MAPPER_REGEX`)."""
-        return WeightsMapper(orig_to_new_regex=SCALE_MAPPER_REGEX)
+        (:data:`.attention.SCALE_MAPPER_REGEX`); an MLA model's FAKQuant
+        scales as ``<attn>.mla_attn.mla_attn.fa_q_scale``
+        (:data:`.mla.MLA_SCALE_MAPPER_REGEX`)."""
+        regex = MLA_SCALE_MAPPER_REGEX if self.mla else SCALE_MAPPER_REGEX
+        return WeightsMapper(orig_to_new_regex=regex)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
@@ -135,13 +140,30 @@ class AscendQuantConfig(QuantizationConfig):
                     "vLLM plugin (W8A8_DYNAMIC or FLOAT experts only)"
                 )
             return None
+        if isinstance(layer, MLAAttention):
+            self.mla = True
+            scheme = self.attention_scheme()
+            if scheme not in (None, "FAKQuant"):
+                raise UnsupportedError(
+                    f"{prefix}: {scheme} is GQA attention; this MLA layer takes "
+                    "fa_quant_type FAKQuant (or float attention)"
+                )
+            if scheme is None:
+                return None
+            return AscendMLAMethod(self, self.description.target == "vllm-ascend")
         if isinstance(layer, Attention):
             scheme = self.attention_scheme()
+            if scheme == "FAKQuant":
+                raise UnsupportedError(
+                    f"{prefix}: fa_quant_type FAKQuant is MLA attention (DeepSeek "
+                    "latent cache); this layer is GQA (FAQuant or C8)"
+                )
             return None if scheme is None else AscendAttentionMethod(self, scheme)
         return None
 
     def attention_scheme(self) -> str | None:
-        """``"FAQuant"``, ``"C8"`` or None (float attention on vLLM's cache)."""
+        """``"FAQuant"``, ``"C8"``, ``"FAKQuant"`` or None (float attention on
+        vLLM's cache)."""
         d = self.description
         if d.fa_quant_type == "FAQuant" and d.kv_cache_type == "C8":
             raise ValueError(

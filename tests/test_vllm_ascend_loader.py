@@ -75,17 +75,7 @@ CASES = {
 }
 #: Where our verdict and the real loader's are known to differ, with what is
 #: known (README "Consumer releases: the real loader"); strict: a fix shows.
-_MERGE_OPEN = (
-    "the export msModelSlim's saver writes here carries W8A8_DYNAMIC weight_scale "
-    "/ weight_offset of shape [N, 1, 1]; --merge-into copies them and inspect "
-    "finds the artifact valid, but vLLM's RowParallelLinear.weight_loader "
-    "asserts the [N, 1] shape (AssertionError, linear.py L1525 at v0.23.0): "
-    "not yet checked by inspect / --merge-into"
-)
-OPEN: dict[tuple[str, str], str] = {
-    ("qwen3_merge_dyn", "0.23.0.post1"): _MERGE_OPEN,
-    ("qwen3_merge_dyn", "0.18.0"): _MERGE_OPEN,
-}
+OPEN: dict[tuple[str, str], str] = {}
 
 
 def _in_ci() -> bool:

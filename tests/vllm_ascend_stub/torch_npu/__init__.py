@@ -166,8 +166,23 @@ SUBMODULES: dict[str, dict] = {
     "torch_npu.npu.streams": {"Event": refused_class("torch_npu.npu.streams.Event")},
 }
 
+
+class _DtypeName:
+    """A torch_npu dtype the loading path names but never makes a tensor of
+    (vllm-ascend main ``quantization/utils.py`` builds tuples of them at import):
+    a named token, equal only to itself, which no tensor's dtype matches."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch_npu.{self.name} (stand-in token)"
+
+
 #: The top-level attributes besides the NPU ops.
-ATTRIBUTES: dict = {}
+ATTRIBUTES: dict = {
+    n: _DtypeName(n) for n in ("float4_e2m1fn_x2", "hifloat8", "float8_e8m0fnu")
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -257,6 +257,11 @@ def landed(model, path: str, quant_config) -> dict:
         elif m_ex:
             w = "w2" if m_ex["proj"] in ("down_proj", "w2") else "w13"
             target = f"{m_ex['owner']}.{w}_{m_ex['what']}"
+            # vllm-ascend main keeps the routed experts' parameters in a
+            # ``routed_experts`` submodule of the fused-MoE layer
+            nested = f"{m_ex['owner']}.routed_experts.{w}_{m_ex['what']}"
+            if target not in params and nested in params:
+                target = nested
             if target in params:
                 e = int(m_ex["e"])
                 if w == "w2":

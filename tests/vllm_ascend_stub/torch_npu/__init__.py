@@ -131,6 +131,14 @@ def _hccl_comm_name(self, rank: int) -> str:
     return f"torch_npu-stand-in-hccl-{rank}"
 
 
+def _tensor_npu(self: torch.Tensor, device=None, non_blocking: bool = False, **kw):
+    """``Tensor.npu()`` (torch_npu adds it): a copy to the current NPU, which here
+    is the host (:func:`.npu.current_device`), so the tensor itself (vllm-ascend
+    0.25.1rc1 / main build the MoE layer's ``moe_load`` counter with it)."""
+    _touch("call torch.Tensor.npu")
+    return self
+
+
 def _module(name: str, attrs: dict) -> _StandInModule:
     mod = _StandInModule(name)
     mod.__dict__.update(attrs)
@@ -220,6 +228,7 @@ def _install() -> None:
     # layers ask that backend for its HCCL communicator name when they are built
     # (vllm-ascend 0.18 token_dispatcher.py), a string only an MC2 kernel reads.
     torch.distributed.ProcessGroupGloo.get_hccl_comm_name = _hccl_comm_name
+    torch.Tensor.npu = _tensor_npu
     npu_module.register()
     _touch("import torch_npu")
 

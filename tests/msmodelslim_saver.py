@@ -8,11 +8,22 @@ msmodelslim 26.1.0 (PyPI) ``core/quant_service/modelslim_v1/save/ascendv1.py``:
 the weights (``BufferedSafetensorsWriter``), copies the source's ``.json`` /
 ``.py`` / ``.txt`` / ``.jinja`` files (``copy_files``) and removes
 ``quantization_config`` from the copied config.json
-(``remove_quantization_config``). Here that saver runs on CPU on a tiny model whose
-decoder linears are msModelSlim's own IR modules (``W8A8StaticFakeQuantLinear`` /
-``W8A8DynamicPerChannelFakeQuantLinear``), quantized with msModelSlim's own
-``calculate_qparam`` / ``quantize``; only the calibration statistics are fixed
-(activation range [-4, 4]) instead of measured.
+(``remove_quantization_config``).
+
+The linears it saves are quantized here by msModelSlim's own processor, as a
+``linear_quant`` step of a real run does: ``LinearQuantProcessor``
+(``processor/quant/linear.py`` L107-137: ``preprocess`` puts a ``LinearQuantizer``
+in place of every ``nn.Linear`` of a decoder layer, the model's forward over the
+calibration batches feeds its observers, ``postprocess`` swaps in ``deploy()``'s
+IR module), with the ``qconfig`` of msModelSlim's own recipes (W8A8_DYNAMIC:
+``default_w8a8_dynamic`` of ``lab_practice/qwen3_5_moe/qwen3_5_moe_w8a8.yaml``
+L15-25, per-token symmetric activations, per-channel symmetric weights; W8A8:
+``default_w8a8`` of ``lab_practice/qwen3_vl/qwen3_vl_w8a8.yaml`` L14-24,
+per-tensor asymmetric activations). The calibration batches are fixed random
+token ids instead of a data set. Shapes follow from that code: the per-channel
+weight observer reduces ``weight.T`` over dim 0 without keepdim
+(``core/quantizer/impl/minmax.py`` L214, L225), so ``weight_scale`` is ``[N]``,
+and the saver writes it as ``[N, 1]`` (``ascendv1.py`` L341 ``unsqueeze(-1)``).
 
 The package installs without its dependencies' heavy parts (``pip install
 --no-deps msmodelslim==26.1.0`` plus ``easydict einops pygtrie wcmatch scipy``, which
@@ -79,30 +90,47 @@ def _check_here() -> None:
         ) from None
 
 
-def _quantized_linear(linear: torch.nn.Linear, dynamic: bool) -> torch.nn.Module:
-    from msmodelslim import ir as qir
-    from msmodelslim.ir.api import calculate_qparam, quantize
-    from msmodelslim.ir.qal import QDType, QScope, QStorage
+def _qconfig(dynamic: bool):
+    """The ``qconfig`` of msModelSlim's own W8A8_DYNAMIC / W8A8 recipes."""
+    from msmodelslim.core.quantizer.base import QConfig
+    from msmodelslim.core.quantizer.linear import LinearQConfig
 
-    w = linear.weight.detach().float()
-    w_param = calculate_qparam(
-        w.amin(dim=1, keepdim=True),
-        w.amax(dim=1, keepdim=True),
-        QDType.INT8,
-        QScope.PER_CHANNEL,
-        True,
-    )
-    w_q = quantize(QStorage(QDType.FLOAT, w), w_param)
-    bias = None if linear.bias is None else linear.bias.detach().float()
+    weight = QConfig(scope="per_channel", dtype="int8", symmetric=True, method="minmax")
     if dynamic:
-        x_param = calculate_qparam(
-            torch.tensor(-4.0), torch.tensor(4.0), QDType.INT8, QScope.PER_TOKEN, True
+        act = QConfig(scope="per_token", dtype="int8", symmetric=True, method="minmax")
+    else:
+        act = QConfig(
+            scope="per_tensor", dtype="int8", symmetric=False, method="minmax"
         )
-        return qir.W8A8DynamicPerChannelFakeQuantLinear(x_param, w_param, w_q, bias)
-    x_param = calculate_qparam(
-        torch.tensor(-4.0), torch.tensor(3.5), QDType.INT8, QScope.PER_TENSOR, False
+    return LinearQConfig(act=act, weight=weight)
+
+
+def _quantize_decoder_linears(model: torch.nn.Module, dynamic: bool) -> None:
+    """Every decoder-layer linear of ``model`` quantized in place by msModelSlim's
+    ``LinearQuantProcessor``: quantizers installed per layer, the model run over
+    two calibration batches, the IR modules deployed."""
+    from msmodelslim.core.base.protocol import BatchProcessRequest
+    from msmodelslim.processor.quant.linear import (
+        LinearProcessorConfig,
+        LinearQuantProcessor,
     )
-    return qir.W8A8StaticFakeQuantLinear(x_param, w_param, w_q, bias)
+
+    config = LinearProcessorConfig(qconfig=_qconfig(dynamic), include=["*"])
+    processor = LinearQuantProcessor(model, config)
+    layers = [
+        BatchProcessRequest(name=name, module=module)
+        for name, module in model.named_modules()
+        if name.rpartition(".")[0].endswith(".layers")
+    ]
+    for request in layers:
+        processor.preprocess(request)
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    with torch.no_grad():
+        for _ in range(2):
+            model(input_ids=torch.randint(0, vocab, (2, 16), generator=generator))
+    for request in layers:
+        processor.postprocess(request)
 
 
 def genuine_export(
@@ -135,11 +163,7 @@ def _export_here(
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16
     ).eval()
-    for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-            model.set_submodule(
-                name, _quantized_linear(module, quant_type == "W8A8_DYNAMIC")
-            )
+    _quantize_decoder_linears(model, quant_type == "W8A8_DYNAMIC")
 
     class Adapter(IModel, AscendV1GlobalModelDtypeInterface):
         model_type = str(model.config.model_type)

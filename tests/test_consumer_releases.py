@@ -152,7 +152,24 @@ def test_every_rule_is_cited_and_every_release_covered():
 # id that refuses it. Counter-examples sit beside each allow-list.
 CASES = [
     ("0.13.0", "C8", "Qwen3ForCausalLM", "c8.unknown"),
-    ("0.13.0", "C8", "LlamaForCausalLM", "c8.unknown"),
+    # the real loader on 0.13.0 (tests/test_vllm_ascend_loader.py): each failure
+    # named as it raises
+    ("0.13.0", "C8", "LlamaForCausalLM", "c8.embedding-prefix"),
+    ("0.13.0", "C8", "MistralForCausalLM", "c8.embedding-prefix"),
+    ("0.13.0", "C8", "Qwen2ForCausalLM", "c8.unknown"),
+    ("0.13.0", "C8", "Gemma3ForCausalLM", "c8.unknown"),
+    ("0.13.0", "C8", "Glm4MoeForCausalLM", "c8.unknown"),
+    ("0.13.0", "C8", "MiniMaxM2ForCausalLM", "c8.unknown"),
+    ("0.13.0", "C8", "MixtralForCausalLM", "c8.moe-experts-unmapped"),
+    ("0.13.0", "C8", "Qwen2MoeForCausalLM", "c8.moe-experts-unmapped"),
+    ("0.13.0", "C8", "Qwen3MoeForCausalLM", "c8.qwen3-moe-rename"),
+    ("0.13.0", "C8", "Qwen3NextForCausalLM", "c8.qwen3-next-dropped"),
+    ("0.18.0", "C8", "Qwen3NextForCausalLM", "c8.qwen3-next-dropped"),
+    ("0.23.0.post1", "C8", "Qwen3NextForCausalLM", "c8.qwen3-next-dropped"),
+    ("0.18.0", "C8", "Gemma3ForCausalLM", "c8.first-value"),
+    ("0.18.0", "C8", "MiniMaxM2ForCausalLM", "c8.qwen3-only"),
+    ("0.23.0.post1", "C8", "Gemma3ForCausalLM", "c8.unpatched-arch"),
+    ("0.25.1rc1", "C8", "Qwen3NextForCausalLM", None),
     ("0.13.0", "FAKQuant", "DeepseekV3ForCausalLM", "fakquant.dropped"),
     ("0.18.0", "C8", "Qwen3ForCausalLM", None),
     ("0.18.0", "C8", "LlamaForCausalLM", "c8.first-value"),
@@ -182,6 +199,37 @@ CASES = [
     ("main", "C8", "MistralForCausalLM", None),
     ("main", "FAKQuant", "DeepseekV3ForCausalLM", None),
 ]
+
+
+# The one-line refusal names what the real loader raised on that release (the slow
+# tests/test_vllm_ascend_loader.py checks these against the loader itself; the
+# releases that load them are the counter-examples of CASES).
+REAL_FAILURES = [
+    ("0.13.0", "LlamaForCausalLM", "KeyError '.weight'"),
+    ("0.13.0", "MistralForCausalLM", "KeyError '.weight'"),
+    (
+        "0.13.0",
+        "MixtralForCausalLM",
+        "KeyError 'model.layers.0.block_sparse_moe.experts.weight'",
+    ),
+    ("0.13.0", "Qwen2MoeForCausalLM", "'model.layers.0.mlp.experts.weight'"),
+    ("0.13.0", "Qwen3MoeForCausalLM", "KeyError '<attn>.qkqkv_proj.kv_cache_offset'"),
+    ("0.13.0", "Gemma3ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.13.0", "Qwen3NextForCausalLM", "silently ignores C8"),
+    ("0.18.0", "MiniMaxM2ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.18.0", "Glm4MoeForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.18.0", "Gemma3ForCausalLM", "silently ignores C8"),
+    ("0.18.0", "Qwen3NextForCausalLM", "silently ignores C8"),
+    ("0.23.0.post1", "Gemma3ForCausalLM", "KeyError '<attn>.qkv_proj.kv_cache_offset'"),
+    ("0.23.0.post1", "Qwen3NextForCausalLM", "silently ignores C8"),
+]
+
+
+@pytest.mark.parametrize("version,arch,failure", REAL_FAILURES)
+def test_refusal_names_the_real_failure(version, arch, failure):
+    release = R.resolve_release(VA, version)
+    (line,) = R.release_findings(VA, release, "C8", arch)
+    assert failure in line and "the real loader" in line, line
 
 
 @pytest.mark.parametrize("version,scheme,arch,refused_by", CASES)

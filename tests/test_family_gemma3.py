@@ -297,7 +297,8 @@ def test_vllm_fp8_kv_on_every_layer_and_its_eval(src, tmp_path):
 
 @pytest.mark.parametrize("release", [r.name for r in RELEASES if r.target != "mindie"])
 def test_vllm_ascend_c8_is_refused_naming_the_release(src, tmp_path, capsys, release):
-    """No vllm-ascend release runs C8 for Gemma 3: 0.13-0.23 cannot load its scales,
+    """No vllm-ascend release runs C8 for Gemma 3: 0.13 / 0.23 raise KeyError, 0.18
+    keeps one scale for every channel (the real loader),
     0.25.1rc1 / main load them but their C8 attention applies no sliding window."""
     out = tmp_path / "c8"
     args = ["calibrate", "--model", str(src), *CAL, "--target", "vllm-ascend"]

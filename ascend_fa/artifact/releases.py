@@ -9,20 +9,30 @@ cites the repository, path and commit (or tag) it was read from.
 release            loads                                 refused (what happens there)
 =================  ====================================  ===========================
 vllm-ascend        nothing quantized in attention        C8 for every GQA model
-0.13.x (0.13.0)                                          (KeyError in vLLM's loader);
+0.13.x (0.13.0)                                          (KeyError: '.weight' for
+                                                         Llama / Mistral,
+                                                         '...experts.weight' for
+                                                         Mixtral / Qwen2-MoE,
+                                                         '...qkv_proj.kv_cache_*'
+                                                         for the others; Qwen3-Next
+                                                         scales dropped, silently);
                                                          FAKQuant (tensors dropped,
                                                          latent cache stays bf16,
                                                          silently)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``;          C8 for Llama / Mistral /
-0.18.x (0.18.0)    FAKQuant                              Qwen2 / Mixtral (one scale
-                                                         kept for every channel,
-                                                         silently), Qwen2-MoE
-                                                         (KeyError) and others
+0.18.x (0.18.0)    FAKQuant                              Qwen2 / Mixtral / Gemma 3
+                                                         (one scale kept for every
+                                                         channel, silently),
+                                                         Qwen3-Next (scales dropped,
+                                                         silently), Qwen3-MoE
+                                                         (AssertionError), Qwen2-MoE
+                                                         and others (KeyError)
 vllm-ascend        C8 for ``Qwen3ForCausalLM``,          C8 for Llama / Mistral /
-0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 and others (KeyError
-(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    ``...qkv_proj.kv_cache_*``);
-                                                         Qwen3-MoE (scales dropped,
-                                                         silently)
+0.23.x             ``Glm4MoeForCausalLM``,               Qwen2 / Gemma 3 and others
+(0.23.0.post1)     ``MiniMaxM2ForCausalLM``; FAKQuant    (KeyError
+                                                         ``...qkv_proj.kv_cache_*``);
+                                                         Qwen3-MoE, Qwen3-Next
+                                                         (scales dropped, silently)
 vllm-ascend        C8 for every architecture vLLM        C8 for ``Gemma3ForCausalLM``
 0.25.1rc1, main    loads through ``AutoWeightsLoader``   (its C8 attention applies no
                    (``get_cache_scale_mapper``);         sliding window: wrong past
@@ -37,10 +47,10 @@ MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-N
 
 Every vllm-ascend release: quantized routed experts of Mixtral / Qwen2-MoE
 (KeyError ``...experts.weight``, :mod:`.release_loader`) and C8 for Qwen2-MoE.
-Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0; and
-0.25.1rc1, main at 182b75ea in a local run) are marked "the real loader" in their
-rule (:mod:`.release_loader`); the others come from reading the code at the cited
-commit.
+Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0,
+0.13.0; and 0.25.1rc1, main at 182b75ea in a local run) are marked "the real
+loader" in their rule (:mod:`.release_loader`); the others come from reading the
+code at the cited commit.
 
 DeepSeek Sparse Attention models (``DeepseekV32ForCausalLM``,
 ``GlmMoeDsaForCausalLM``) run on vllm-ascend's SFA backend in every release, which
@@ -154,35 +164,10 @@ _GGUF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _GQA_C8_PATCHED = frozenset(
     {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
-_FIRST_INDEX_LOADERS = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}
-)
 _LATER = ("0.25.1rc1", "main")
 RULES: tuple[Rule, ...] = (
     *DSA_RULES,
     *LOADER_RULES,
-    Rule(
-        "c8.unknown",
-        "vllm-ascend",
-        "C8",
-        ("0.13.0",),
-        None,
-        False,
-        "knows no C8: nothing maps <attn>.k_proj.kv_cache_scale/offset and vLLM's "
-        "loader renames k_proj to qkv_proj, so loading raises KeyError "
-        "'<attn>.qkv_proj.kv_cache_offset'",
-        (
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/utils.py",
-                _V013,
-                "ASCEND_QUANTIZATION_METHOD_MAP (no C8)",
-            ),
-            Citation(
-                VLLM, "vllm/model_executor/models/llama.py", "v0.13.0", "load_weights"
-            ),
-        ),
-    ),
     Rule(
         "c8.qwen3-patch",
         "vllm-ascend",
@@ -194,43 +179,24 @@ RULES: tuple[Rule, ...] = (
         (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", _V018),),
     ),
     Rule(
-        "c8.first-value",
-        "vllm-ascend",
-        "C8",
-        ("0.18.0",),
-        _FIRST_INDEX_LOADERS,
-        False,
-        "loads without an error, but keeps only loaded_weight[0] of each "
-        "per-channel scale and offset (a scalar parameter: one scale for every "
-        "channel; the real loader)",
-        (
-            Citation(
-                VLLM,
-                "vllm/model_executor/models/llama.py",
-                "v0.18.0",
-                "load_weights get_cache_scale",
-            ),
-            Citation(
-                VLLM, "vllm/model_executor/models/qwen2.py", "v0.18.0", "load_weights"
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/attention/attention_v1.py",
-                _V018,
-                "_prepare_c8_scales",
-            ),
-        ),
-        silent=True,
-    ),
-    Rule(
         "c8.qwen3-only",
         "vllm-ascend",
         "C8",
         ("0.18.0",),
         None,
         False,
-        "maps C8 scales for Qwen3ForCausalLM only",
-        (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", _V018),),
+        "maps C8 scales for Qwen3ForCausalLM only; for others vLLM's loader "
+        "renames k_proj to qkv_proj and raises KeyError "
+        "'<attn>.qkv_proj.kv_cache_offset' (the real loader: GLM-4.5, MiniMax-M2)",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", _V018),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/glm4_moe.py",
+                "v0.18.0",
+                "Glm4MoeModel.load_weights L528; minimax_m2.py L442",
+            ),
+        ),
     ),
     Rule(
         "c8.gqa-patch",
@@ -243,27 +209,6 @@ RULES: tuple[Rule, ...] = (
         (Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),),
     ),
     Rule(
-        "c8.qwen3-next-unpatched",
-        "vllm-ascend",
-        "C8",
-        ("0.23.0.post1",),
-        frozenset({"Qwen3NextForCausalLM"}),
-        False,
-        "its C8 load_weights patch covers Qwen3 / Glm4Moe / MiniMaxM2 only; "
-        "Qwen3NextModel.load_weights renames <attn>.k_proj.kv_cache_* to "
-        "<attn>.qkv_proj.kv_cache_*, a parameter the model does not have, so the "
-        "full-attention layers' C8 scales never reach the int8 cache",
-        (
-            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),
-            Citation(
-                VLLM,
-                "vllm/model_executor/models/qwen3_next.py",
-                "6365b387890f7aa74b0fe65b81705d4730fcc763",
-                "Qwen3NextModel.load_weights stacked_params_mapping",
-            ),
-        ),
-    ),
-    Rule(
         "c8.unpatched-arch",
         "vllm-ascend",
         "C8",
@@ -272,7 +217,8 @@ RULES: tuple[Rule, ...] = (
         False,
         "maps C8 scales only for Qwen3ForCausalLM, Glm4MoeForCausalLM, "
         "MiniMaxM2ForCausalLM; for others vLLM's loader renames k_proj to "
-        "qkv_proj and raises KeyError '<attn>.qkv_proj.kv_cache_offset'",
+        "qkv_proj and raises KeyError '<attn>.qkv_proj.kv_cache_offset' (the real "
+        "loader: Llama, Mistral, Qwen2, Mixtral, Gemma 3)",
         (
             Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", _V023),
             Citation(
@@ -280,6 +226,12 @@ RULES: tuple[Rule, ...] = (
             ),
             Citation(
                 VLLM, "vllm/model_executor/models/qwen2.py", "v0.23.0", "load_weights"
+            ),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/gemma3.py",
+                "v0.23.0",
+                "Gemma3Model.load_weights L413",
             ),
         ),
     ),
@@ -356,7 +308,9 @@ RULES: tuple[Rule, ...] = (
         False,
         "registers no FAKQuant scheme and its DeepSeek loader skips tensors it has "
         "no parameter for: the fa_* scales are dropped and the latent cache stays "
-        "bf16, silently",
+        "bf16, silently (the real loader, up to process_weights_after_loading, "
+        "whose shared-expert self-check computes on the NPU: "
+        "vllm_ascend/ops/fused_moe/fused_moe.py L474-483 at v0.13.0)",
         (
             Citation(
                 VLLM_ASCEND,

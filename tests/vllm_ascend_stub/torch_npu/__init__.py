@@ -20,7 +20,8 @@ touch, listed in :data:`ATTRIBUTES`, :data:`SUBMODULES`, :data:`NPU_OPS` and
 
 ``torch.npu`` (:mod:`.npu`) is registered as the ``npu`` PrivateUse1 backend's
 module (``torch.utils.rename_privateuse1_backend("npu")``), with one device (0)
-that reports itself unavailable for compute.
+whose tensor allocation raises :class:`StandInError` (recorded as ``"refused npu
+tensor ..."``): a step that computes on the device fails there, naming itself.
 """
 
 from __future__ import annotations

@@ -83,8 +83,32 @@ for _name in NAMED_ONLY:
     globals()[_name] = _refusing(_name)
 
 
+#: The kernels of the ``npu`` device: allocation only, each refusing (see
+#: :func:`_refuse_allocation`); kept alive for the process.
+_DEVICE_KERNELS: list = []
+#: What allocates a tensor on a device (every factory and ``.to("npu")`` ends in
+#: one of these two ATen ops).
+ALLOCATORS = ("empty.memory_format", "empty_strided")
+
+
+def _refuse_allocation(op: str):
+    def kernel(*args, **kwargs):
+        from . import StandInError
+
+        _touch(f"refused npu tensor aten::{op}")
+        raise StandInError(
+            f"torch_npu stand-in: a tensor on the npu device was requested "
+            f"(aten::{op}); the stand-in has no device memory and runs no device "
+            "compute"
+        )
+
+    return kernel
+
+
 def register() -> None:
-    """This module as ``torch.npu`` and the PrivateUse1 backend ``npu``."""
+    """This module as ``torch.npu`` and the PrivateUse1 backend ``npu``, whose
+    tensor allocations are refused (:data:`ALLOCATORS`: the loading path asks
+    for an ``npu`` tensor only to compute on it)."""
     from . import _StandInModule
 
     _classes()
@@ -94,3 +118,8 @@ def register() -> None:
         torch.utils.rename_privateuse1_backend("npu")
     torch.npu = this
     sys.modules["torch.npu"] = this
+    if not _DEVICE_KERNELS:
+        lib = torch.library.Library("aten", "IMPL")
+        for op in ALLOCATORS:
+            lib.impl(op, _refuse_allocation(op), "PrivateUse1")
+        _DEVICE_KERNELS.append(lib)

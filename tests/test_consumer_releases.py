@@ -555,3 +555,142 @@ def test_inspect_reports_quantized_experts(data, tmp_path, capsys, monkeypatch):
         lines = [f for f in rep["findings"] if "[linears.experts-unmapped]" in f]
         assert not rep["valid"] and len(lines) == 1, rep["findings"]
         assert "block_sparse_moe.experts.weight" in lines[0]
+
+
+# -- config.json as transformers 5 saves it ----------------------------------------
+# The real loader (tests/test_vllm_ascend_loader.py, cases *_tf5): vLLM 0.13 / 0.18
+# parse Gemma 3's per-layer-type rope_parameters with transformers 4.57 and raise
+# ValidationError before any weight loads; 0.23.0.post1 (transformers 5) parses it.
+# A flat rope_parameters loads everywhere it parses: the artifact keeps the
+# top-level rope_theta the writer adds (0.18.0 builds theta 500000, as stated).
+@pytest.fixture(scope="module")
+def tf5_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tf5")
+    gemma = save_tiny(
+        root / "gemma3", "gemma3_text", dtype=BF16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=8,
+    )  # fmt: skip
+    qwen3 = save_tiny(
+        root / "qwen3", "qwen3", dtype=BF16,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )  # fmt: skip
+    nested = json.loads((gemma / "config.json").read_text())["rope_parameters"]
+    assert set(nested) == {"full_attention", "sliding_attention"}
+    return {"gemma3": gemma, "qwen3": qwen3}
+
+
+def test_per_layer_type_rope_is_read_from_the_config():
+    from ascend_fa.artifact.release_loader import CONFIG_RULES, per_layer_type_rope
+
+    for rule, _ in CONFIG_RULES:  # cited as the release table's rules are
+        assert rule.citations and set(rule.releases) <= {"0.13.0", "0.18.0"}
+        for c in rule.citations:
+            assert c.repo == R.VLLM and c.path.endswith(".py"), c
+            assert re.fullmatch(r"v\d+\.\d+\.\d+", c.ref) and "L" in c.where, c
+
+    nested = {"rope_parameters": {"full_attention": {"rope_type": "default"}}}
+    assert per_layer_type_rope(nested)
+    # transformers 4 takes a rope_scaling in its place; flat and published layouts
+    assert not per_layer_type_rope({**nested, "rope_scaling": {"factor": 8.0}})
+    assert not per_layer_type_rope({"rope_parameters": {"rope_type": "default"}})
+    assert not per_layer_type_rope({"rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert not per_layer_type_rope(None)
+
+
+@pytest.mark.parametrize("version", ["0.18.0", "0.13.0"])
+def test_calibrate_refuses_per_layer_type_rope_before_loading(
+    tf5_sources, data, tmp_path, capsys, monkeypatch, version
+):
+    import ascend_fa.models
+
+    calls = []
+    monkeypatch.setattr(ascend_fa.models, "load_model", lambda *a, **k: calls.append(a))
+    out = tmp_path / "o"
+    rc = run_calibrate(
+        tf5_sources["gemma3"], out, data, "--target", VA, "--consumer-version", version
+    )
+    line = one_line_error(capsys, rc)
+    assert f"vllm-ascend {version} cannot parse the config.json of Gemma3" in line
+    assert "[config.per-layer-type-rope]" in line
+    assert "ValidationError" in line and "'rope_type'" in line
+    assert "--consumer-version 0.23.0.post1" in line
+    assert "vllm/transformers_utils/config.py@v" in line
+    assert calls == [] and not out.exists()
+
+
+def test_flat_rope_parameters_load_where_the_release_parses_them(
+    tf5_sources, data, tmp_path
+):
+    for version in ("0.18.0", "0.23.0.post1"):
+        out = tmp_path / version
+        rc = run_calibrate(
+            tf5_sources["qwen3"], out, data, "--target", VA, "--consumer-version",
+            version,
+        )  # fmt: skip
+        assert rc == 0
+        config = json.loads((out / "config.json").read_text())
+        assert config["rope_parameters"]["rope_theta"] == config["rope_theta"]
+        assert main(["inspect", str(out), "--consumer-version", version]) == 0
+
+
+@pytest.fixture(scope="module")
+def gemma3_tf5_c8(tf5_sources, data, tmp_path_factory):
+    """Gemma 3 C8 from a transformers-5 source, the release pre-flight lifted
+    (the artifact a refusal prevents)."""
+    from ascend_fa.calibration import plan as plan_module
+
+    checks = plan_module.PREFLIGHT_CHECKS
+    kept = list(checks)
+    checks[checks.index(plan_module.check_consumer_release)] = lambda plan: None
+    out = tmp_path_factory.mktemp("g3") / "gemma3"
+    try:
+        rc = run_calibrate(
+            tf5_sources["gemma3"], out, data, "--target", VA, "--consumer-version",
+            "main",
+        )  # fmt: skip
+    finally:
+        checks[:] = kept
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    "version,rule",
+    [
+        ("0.18.0", "config.per-layer-type-rope"),
+        ("0.13.0", "config.per-layer-type-rope"),
+        # transformers 5 parses it; the C8 rule then decides (KeyError)
+        ("0.23.0.post1", "c8.unpatched-arch"),
+    ],
+)
+def test_inspect_per_layer_type_rope(gemma3_tf5_c8, capsys, version, rule):
+    rc = main(["inspect", str(gemma3_tf5_c8), "--consumer-version", version])
+    out = capsys.readouterr().out
+    assert rc == 1
+    (finding,) = [f for f in out.splitlines() if f"- vllm-ascend {version}" in f]
+    assert f"[{rule}]" in finding
+    assert ("ValidationError" in finding) == rule.startswith("config.")
+
+
+def test_flat_rope_parameters_without_top_level_theta_per_release(
+    tf5_sources, data, tmp_path, capsys
+):
+    """An artifact whose config.json lacks the top-level rope_theta (ours always
+    has it; another tool's may not): the real loader built theta 10000 on 0.18.0
+    (silently) and the stated 500000 on 0.23.0.post1."""
+    out = tmp_path / "qwen3"
+    assert run_calibrate(tf5_sources["qwen3"], out, data, "--target", VA) == 0
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    del config["rope_theta"]
+    path.write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--consumer-version", "0.18.0"]) == 1
+    report = capsys.readouterr().out
+    assert "rope_theta missing at the top level" in report and "10000" in report
+    assert main(["inspect", str(out), "--consumer-version", "0.23.0.post1"]) == 0
+    capsys.readouterr()
+    # MindIE reads it with transformers 4 as well: the finding stays for mindie
+    assert main(["inspect", str(out), "--target", "mindie"]) == 1
+    assert "rope_theta missing at the top level" in capsys.readouterr().out

@@ -297,8 +297,10 @@ def test_vllm_fp8_kv_on_every_layer_and_its_eval(src, tmp_path):
 
 @pytest.mark.parametrize("release", [r.name for r in RELEASES if r.target != "mindie"])
 def test_vllm_ascend_c8_is_refused_naming_the_release(src, tmp_path, capsys, release):
-    """No vllm-ascend release runs C8 for Gemma 3: 0.13 / 0.23 raise KeyError, 0.18
-    keeps one scale for every channel (the real loader),
+    """No vllm-ascend release runs C8 for Gemma 3: 0.13 / 0.18 cannot parse the
+    per-layer-type rope_parameters of this transformers-5 config.json
+    (ValidationError, the real loader; with a published config.json 0.13 raises
+    KeyError and 0.18 keeps one scale for every channel), 0.23 raises KeyError,
     0.25.1rc1 / main load them but their C8 attention applies no sliding window."""
     out = tmp_path / "c8"
     args = ["calibrate", "--model", str(src), *CAL, "--target", "vllm-ascend"]
@@ -308,6 +310,8 @@ def test_vllm_ascend_c8_is_refused_naming_the_release(src, tmp_path, capsys, rel
     assert "Gemma3ForCausalLM" in err and not out.exists()
     if release in ("0.25.1rc1", "main"):
         assert "[c8.no-sliding-window]" in err and "sparse_mode" in err
+    if release in ("0.13.0", "0.18.0"):
+        assert "[config.per-layer-type-rope]" in err and "ValidationError" in err
 
 
 def test_eval_round_trip(src, mindie, tmp_path):

@@ -19,7 +19,9 @@ Per tiny family x recipe x release, the real loader's verdict is:
   is held by the consumer's parameter bit for bit (scales cast to the parameter's
   dtype, as the consumer's ``weight_loader`` does);
 * ``silent``: no exception, but some quantized tensor is not held (a scalar kept
-  of a per-channel scale, a dropped scale);
+  of a per-channel scale, a dropped scale), or a rotary embedding holds a RoPE
+  theta its config.json does not state (a transformers-4 default read in place
+  of ``rope_parameters``);
 * ``error``: the exception, with the frame that raised it.
 
 Ours must equal it: ``inspect --consumer-version R`` exits 0 exactly when the
@@ -96,6 +98,10 @@ CASES = {
     "minimax_m2_dyn": ("minimax_m2", ("--linear", "w8a8_dynamic")),
     "qwen3_next_dyn": ("qwen3_next", ("--linear", "w8a8_dynamic")),
     "deepseek_v3_fak": ("deepseek_v3", ()),
+    # config.json as transformers 5 saves it (no _as_released): Gemma 3's RoPE per
+    # layer type; a Qwen3 whose theta (500000) is not transformers 4's default
+    "gemma3_c8_tf5": ("gemma3_tf5", ("--linear", "none")),
+    "qwen3_c8_tf5": ("qwen3_tf5", ("--linear", "none")),
     # C8 merged into msModelSlim's own W8A8_DYNAMIC export (its saver, run here)
     "qwen3_merge_dyn": ("qwen3_untied", ("--merge-into", "{export}")),
 }
@@ -158,6 +164,15 @@ def _sources(root: Path) -> dict[str, Path]:
     next_model.save_pretrained(root / "qwen3_next")
     byte_tokenizer().save_pretrained(root / "qwen3_next")
     out["qwen3_next"] = root / "qwen3_next"
+    out["gemma3_tf5"] = save_tiny(
+        root / "gemma3_tf5", "gemma3_text", dtype=bf16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=8,
+    )  # fmt: skip
+    out["qwen3_tf5"] = save_tiny(
+        root / "qwen3_tf5", "qwen3", dtype=bf16,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )  # fmt: skip
     for family, keys in RELEASED_KEYS.items():
         _as_released(out[family] / "config.json", keys)
     # the router keys a real DeepSeek-V3 config carries
@@ -325,11 +340,28 @@ def _needs_npu(result: dict, release: str) -> bool:
     return True
 
 
+def _stated_thetas(artifact: str) -> set[float]:
+    """Every RoPE theta the artifact's config.json states: top-level
+    ``rope_theta`` / ``rope_local_base_freq`` and ``rope_parameters`` (flat, or
+    per layer type)."""
+    config = json.loads((Path(artifact) / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    inner = [rope, *[v for v in rope.values() if isinstance(v, dict)]]
+    values = [config.get("rope_theta"), config.get("rope_local_base_freq")]
+    values += [r.get("rope_theta") for r in inner]
+    return {float(v) for v in values if v is not None}
+
+
 def real_verdict(result: dict, release: str) -> str:
     if not result["loaded"] and not _needs_npu(result, release):
         return "error"
     tensors = result["tensors"]
     assert tensors, "no quantized tensor looked up"
+    # a rotary embedding built with a theta the config does not state (a
+    # transformers-4 default read in place of rope_parameters) runs wrongly
+    bases = set((result.get("rope") or {}).values())
+    if not bases <= _stated_thetas(result["artifact"]):
+        return "silent"
     return "loads" if all(v.startswith("equal") for v in tensors.values()) else "silent"
 
 

@@ -21,8 +21,9 @@ consumer's parameters (:func:`landed`).
 Output (the last stdout line): ``{"vllm": version, "vllm_ascend": version,
 "results": [{"artifact": DIR, "loaded": bool, "error": "Type: message" | null,
 "where": "file:line" | null, "tensors": {name: "equal" | "differs: ..." |
-"missing: ..."} (also when ``process_weights_after_loading`` raised), "seconds":
-s}, ...], "touched": [...]}``.
+"missing: ..."} (also when ``process_weights_after_loading`` raised), "rope":
+{attention module: the RoPE base its rotary embedding holds}, "seconds": s},
+...], "touched": [...]}``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def _where(exc: BaseException) -> str | None:
                 i = len(parts) - 1 - parts[::-1].index(root)
                 return f"{'/'.join(parts[i:])}:{f.lineno}"
     return None
+
+
+def _message(exc: BaseException) -> str:
+    """The exception's first line; for pydantic's ValidationError (vLLM's config
+    classes validate there) the first error's own message, which its first line
+    ("1 validation error for ModelConfig") leaves out."""
+    errors = getattr(exc, "errors", None)
+    if type(exc).__name__ == "ValidationError" and callable(errors):
+        try:
+            return str(errors()[0]["msg"])
+        except Exception:  # noqa: BLE001 - fall back to the exception's text
+            pass
+    return str(exc).splitlines()[0] if str(exc) else ""
 
 
 _DIST = False
@@ -159,9 +173,22 @@ def load_one(path: str, out: dict) -> None:
         def load_then_look(model, model_config):
             load_weights(model, model_config)
             out["tensors"] = landed(model, path, config.quant_config)
+            out["rope"] = rope_bases(model)
 
         loader.load_weights = load_then_look
         loader.load_model(vllm_config=config, model_config=config.model_config)
+
+
+def rope_bases(model) -> dict:
+    """The RoPE base (theta) each attention module's rotary embedding was built
+    with, by module name (what the model computes with, whatever the config said)."""
+    out = {}
+    for name, module in model.named_modules():
+        rotary = getattr(module, "rotary_emb", None)
+        base = getattr(rotary, "base", None)
+        if base is not None:
+            out[name] = float(base)
+    return out
 
 
 #: File tensors a quantized artifact adds (by name suffix; int8 weights too).
@@ -311,7 +338,7 @@ def main() -> int:
             load_one(path, res)
             res["loaded"] = True
         except Exception as exc:  # noqa: BLE001 - the consumer's verdict
-            res["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            res["error"] = f"{type(exc).__name__}: {_message(exc)}"[:500]
             res["where"] = _where(exc)
             if req.get("traceback"):
                 traceback.print_exc()

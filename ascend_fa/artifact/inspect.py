@@ -64,9 +64,14 @@ from .format import (
     is_msmodelslim_type,
 )
 from .linear_judge import linear_findings
+from .model_files import rope_theta_missing
 from .provenance import recorded_release
 from .reader import read_tensor_index, weight_files
-from .release_loader import expert_linear_refusal
+from .release_loader import (
+    config_refusal,
+    expert_linear_refusal,
+    reads_rope_parameters,
+)
 from .releases import (
     architecture,
     release_findings,
@@ -456,11 +461,21 @@ def _release_checks(
     """The release table's refusal (a finding) and caveats (``result["notes"]``)
     for what ``target`` writes for this architecture: its FA scheme, or
     ``"linears"`` when the artifact carries no FA scales because the target reads
-    none for the model (DeepSeek Sparse Attention)."""
+    none for the model (DeepSeek Sparse Attention). A config.json the release
+    cannot parse is the one refusal (it fails first); the missing top-level
+    ``rope_theta`` finding is lifted for a release that reads ``rope_parameters``."""
+    missing = rope_theta_missing(config or {})
+    if release is not None and reads_rope_parameters(release.target, release.name):
+        if missing in findings:  # the release builds the theta rope_parameters states
+            findings.remove(missing)
     fa = bool((view.desc or {}).get("fa_quant_type"))
     fa = fa or reads_fa((config or {}).get("model_type"), target)
     scheme, arch = release_scheme(target, view.mla, fa), architecture(config)
-    findings.extend(release_findings(target, release, scheme, arch))
+    parse = release and config_refusal(release.target, release.name, config)
+    # a config.json the release cannot parse fails before any scheme's rule
+    findings.extend(
+        [parse] if parse else release_findings(target, release, scheme, arch)
+    )
     result["notes"] = release_notes(target, release, scheme, arch)
     experts = [
         k

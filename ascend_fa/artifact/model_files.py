@@ -7,7 +7,7 @@ the source directory but the weight indexes (``copy_files``) and then only remov
 (``remove_quantization_config``; msmodelslim 26.1.0
 core/quant_service/modelslim_v1/save/ascendv1.py, both called from
 ``AscendV1Saver.post_run``). Consumers read that config.json with their own
-transformers: MindIE's atb_llm and vllm-ascend <= 0.13 run transformers 4.x, which
+transformers: MindIE's atb_llm and vllm-ascend <= 0.18 run transformers 4.x, which
 reads the top-level ``rope_theta`` / ``rope_scaling`` and falls back to theta 10000
 without an error when they are missing; transformers 5 re-serializes a config with
 both moved into ``rope_parameters``. So an artifact's config.json is:
@@ -67,6 +67,7 @@ __all__ = [
     "merged_config",
     "with_transformers4_rope",
     "rope_findings",
+    "rope_theta_missing",
     "model_files",
     "copy_model_files",
 ]
@@ -240,6 +241,28 @@ def _same(a: Any, b: Any) -> bool:
     return a == b  # exact between int and float: 1000000 == 1000000.0
 
 
+def rope_theta_missing(config: Mapping[str, Any]) -> str | None:
+    """:func:`rope_findings`' line for a flat ``rope_parameters`` theta other than
+    10000 with no top-level ``rope_theta`` (a transformers-4 reader builds 10000:
+    vllm-ascend 0.18.0 did, the real loader; 0.23.0.post1, under transformers 5,
+    builds the stated theta), or None."""
+    rope = config.get("rope_parameters")
+    if not isinstance(rope, Mapping) or any(
+        isinstance(v, Mapping) for v in rope.values()
+    ):
+        return None
+    theta = rope.get("rope_theta")
+    if theta is None or config.get("rope_theta") is not None:
+        return None
+    if _same(theta, _TF4_DEFAULT_THETA):
+        return None
+    return (
+        f"config.json: rope_theta missing at the top level while rope_parameters "
+        f"has {theta}; a transformers-4 reader (MindIE atb_llm, vllm-ascend <= "
+        f"0.18) uses 10000"
+    )
+
+
 def rope_findings(config: Mapping[str, Any]) -> list[str]:
     """Where a transformers-4 reader of ``config`` (a config.json as a dict) takes
     another RoPE than its ``rope_parameters`` (transformers 5's) state: top-level
@@ -253,14 +276,12 @@ def rope_findings(config: Mapping[str, Any]) -> list[str]:
     ):
         return []
     out: list[str] = []
-    who = "a transformers-4 reader (MindIE atb_llm, vllm-ascend <= 0.13)"
+    who = "a transformers-4 reader (MindIE atb_llm, vllm-ascend <= 0.18)"
     theta = rope.get("rope_theta")
     top = config.get("rope_theta")
-    if theta is not None and top is None and not _same(theta, _TF4_DEFAULT_THETA):
-        out.append(
-            f"config.json: rope_theta missing at the top level while rope_parameters "
-            f"has {theta}; {who} uses 10000"
-        )
+    missing = rope_theta_missing(config)
+    if missing:
+        out.append(missing)
     elif theta is not None and top is not None and not _same(theta, top):
         out.append(
             f"config.json: rope_theta {top} but rope_parameters has {theta}; {who} "

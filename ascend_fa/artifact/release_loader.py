@@ -25,11 +25,17 @@ parameter) and say so.
 architectures, so the generic rules never see these models first, but the last,
 ``c8.unknown``, which covers every other model on 0.13.0 (no rule of 0.13.0 loads
 C8).
-:func:`expert_linear_refusal` is the one rule that is not about the attention
-scheme: quantized routed experts of Mixtral / Qwen2-MoE.
+:func:`expert_linear_refusal` is one rule that is not about the attention
+scheme: quantized routed experts of Mixtral / Qwen2-MoE. :data:`CONFIG_RULES`
+are about the artifact's ``config.json`` itself, whatever it quantizes: vLLM
+0.13 / 0.18 parse it with transformers 4.57 before anything loads
+(:func:`config_refusal`, checked first).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from .release_types import (
     MAIN,
@@ -43,7 +49,14 @@ from .release_types import (
     Rule,
 )
 
-__all__ = ["LOADER_RULES", "EXPERT_ARCHITECTURES", "expert_linear_refusal"]
+__all__ = [
+    "LOADER_RULES",
+    "CONFIG_RULES",
+    "EXPERT_ARCHITECTURES",
+    "config_refusal",
+    "reads_rope_parameters",
+    "expert_linear_refusal",
+]
 
 _QWEN2_MOE = frozenset({"Qwen2MoeForCausalLM"})
 #: the 0.13.0 note of a verdict whose last step needs an NPU (module docstring)
@@ -362,4 +375,110 @@ def expert_linear_refusal(
         f"'model.layers.0.{block or 'mlp'}.experts.weight' ({where}); no release "
         f"in the table loads them (use --linear none, or --target mindie) "
         f"({cites})"
+    )
+
+
+def per_layer_type_rope(config: Mapping[str, Any] | None) -> bool:
+    """Whether ``config`` (a config.json as a dict) holds transformers 5's RoPE
+    per layer type (``rope_parameters: {"full_attention": {...},
+    "sliding_attention": {...}}``, Gemma 3) with no top-level ``rope_scaling``.
+    vLLM under transformers 4 puts a ``rope_scaling`` in its place and parses it:
+    the real loader on 0.18.0 with a Gemma 3 whose full layers scale their RoPE
+    (linear, factor 8; the artifact's config.json gains ``rope_scaling`` from
+    it) built theta 10000 / 1000000 for the sliding / full layers."""
+    rope = (config or {}).get("rope_parameters")
+    if not isinstance(rope, Mapping) or not rope:
+        return False
+    nested = all(isinstance(v, Mapping) for v in rope.values())
+    return nested and not (config or {}).get("rope_scaling")
+
+
+_ROPE_WHERE = "vllm/transformers_utils/config.py"
+#: Rules on the artifact's config.json, each with the test that finds it.
+CONFIG_RULES: tuple[tuple[Rule, Any], ...] = (
+    (
+        Rule(
+            "config.per-layer-type-rope",
+            "vllm-ascend",
+            "*",
+            ("0.13.0", "0.18.0"),
+            None,
+            False,
+            "config.json keeps transformers 5's RoPE per layer type "
+            "(rope_parameters: {full_attention: ..., sliding_attention: ...}); "
+            "vLLM reads it with transformers 4.57, whose config class gives a "
+            "rope_theta (Gemma3TextConfig: 1000000 when none is given) that "
+            "patch_rope_parameters writes into that dict, which then no longer "
+            "reads as per layer type, so parsing the config raises ValidationError "
+            "'rope_parameters should have a 'rope_type' key' before any weight "
+            "loads (the real loader: EngineArgs.create_engine_config, Gemma 3 "
+            "saved by transformers 5, with or without the top-level rope_theta / "
+            "rope_local_base_freq); a config.json in the published layout "
+            "(rope_theta, rope_local_base_freq, no rope_parameters) parses",
+            (
+                Citation(
+                    VLLM,
+                    _ROPE_WHERE,
+                    "v0.18.0",
+                    "patch_rope_parameters L392 (rope_theta into rope_parameters), "
+                    "patch_rope_parameters_dict L440 raises",
+                ),
+                Citation(
+                    VLLM,
+                    _ROPE_WHERE,
+                    "v0.13.0",
+                    "patch_rope_parameters L326, patch_rope_parameters_dict L376 "
+                    "raises",
+                ),
+                Citation(
+                    VLLM,
+                    "vllm/engine/arg_utils.py",
+                    "v0.18.0",
+                    "create_model_config L1360 ModelConfig(...) (v0.13.0: L1189)",
+                ),
+            ),
+        ),
+        per_layer_type_rope,
+    ),
+)
+#: the first release whose vLLM reads transformers 5's config.json (its
+#: transformers is 5.x): the real loader parses the per-layer-type RoPE there
+_TF5_FIRST = "0.23.0.post1"
+
+
+def config_refusal(
+    release_target: str, release_name: str, config: Mapping[str, Any] | None
+) -> str | None:
+    """The one-line reason vllm-ascend ``release_name`` cannot parse the
+    artifact's ``config`` (:data:`CONFIG_RULES`), or None."""
+    if release_target != "vllm-ascend":
+        return None
+    archs = (config or {}).get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else "this model"
+    for rule, applies in CONFIG_RULES:
+        if release_name in rule.releases and applies(config):
+            return (
+                f"vllm-ascend {release_name} cannot parse the config.json of {arch} "
+                f"[{rule.id}]: {rule.effect}; {_TF5_FIRST} is the first release "
+                f"that parses it (--consumer-version {_TF5_FIRST}), or save the "
+                f"source's config.json in the published layout ({rule.cites()})"
+            )
+    return None
+
+
+#: Releases the real loader showed to build the RoPE theta a flat
+#: ``rope_parameters`` states when config.json has no top-level ``rope_theta``
+#: (vLLM 0.23 under transformers 5; a tiny Qwen3 at theta 500000). vLLM 0.18 under
+#: transformers 4.57 builds Qwen3Config's default 10000 there instead
+#: (``patch_rope_parameters`` L392 at v0.18.0 writes the config class's
+#: ``rope_theta`` over it), silently: ``inspect``'s RoPE finding stands for it.
+RELEASES_READING_ROPE_PARAMETERS = ("0.23.0.post1",)
+
+
+def reads_rope_parameters(release_target: str, release_name: str) -> bool:
+    """Whether vllm-ascend ``release_name`` takes the theta of a flat
+    ``rope_parameters`` without a top-level ``rope_theta`` (the real loader)."""
+    return (
+        release_target == "vllm-ascend"
+        and release_name in RELEASES_READING_ROPE_PARAMETERS
     )

@@ -45,6 +45,10 @@ MindIE 3.0.0       FAQuant (llama, mistral, qwen2,       no MiniMax-M2 / Qwen3-N
                    DeepSeek-V3.2 (:mod:`.mindie_models`) ``model_quant_type`` float
 =================  ====================================  ===========================
 
+vllm-ascend 0.13.0 / 0.18.0 (vLLM under transformers 4.57) cannot parse a
+config.json with transformers 5's per-layer-type ``rope_parameters`` (Gemma 3
+saved by transformers 5: ValidationError, rule ``config.per-layer-type-rope``,
+:data:`.release_loader.CONFIG_RULES`), whatever the artifact quantizes.
 Every vllm-ascend release: quantized routed experts of Mixtral / Qwen2-MoE
 (KeyError ``...experts.weight``, :mod:`.release_loader`) and C8 for Qwen2-MoE.
 Verdicts checked by running the release's own loader (0.23.0.post1, 0.18.0,
@@ -82,7 +86,7 @@ from ascend_fa.families import reads_fa
 
 from .mindie_models import MINDIE_MOE_NO_FA3, MINDIE_NO_MODEL
 from .release_dsa import DSA_RULES
-from .release_loader import LOADER_RULES
+from .release_loader import LOADER_RULES, config_refusal
 from .release_types import MAIN as _MAIN
 from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
 from .release_types import MINDIE300 as _MINDIE300
@@ -625,7 +629,12 @@ def check_release(
         release_scheme(target, mla, reads_fa(config.get("model_type"), target))
     )
     arch = architecture(config)
-    line = _refusal(release, scheme, arch)
+    # the artifact's config.json (the source's, with its transformers-4 RoPE
+    # keys) is parsed before anything loads
+    from .model_files import with_transformers4_rope
+
+    line = config_refusal(target, release.name, with_transformers4_rope(config))
+    line = line or _refusal(release, scheme, arch)
     if line:
         raise UnsupportedError(f"--consumer-version {release.name}: {line}")
     for note in release_notes(target, release, scheme, arch):

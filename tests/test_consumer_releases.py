@@ -191,6 +191,8 @@ CASES = [
     ("0.23.0.post1", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-rename"),
     ("main", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-qkv-module"),
     ("0.25.1rc1", "C8", "Qwen2MoeForCausalLM", "c8.qwen2-moe-qkv-module"),
+    ("0.25.1rc1", "C8", "Gemma3ForCausalLM", "c8.gemma3-qkv-module"),
+    ("main", "C8", "Gemma3ForCausalLM", "c8.gemma3-qkv-module"),
     ("0.23.0.post1", "FAKQuant", "DeepseekV3ForCausalLM", None),
     ("0.25.1rc1", "C8", "LlamaForCausalLM", None),
     ("0.25.1rc1", "C8", "Qwen2ForCausalLM", None),

@@ -84,6 +84,24 @@ FIRST_INDEX_LOADERS = frozenset(
     }
 )
 
+#: Where the fused qkv_proj's load_weights hands the layer to weight_loader
+#: (0.25.1rc1 / main: C8 scales named after no parameter of it)
+_QKV_MODULE_CITES = (
+    Citation(
+        VLLM,
+        "vllm/model_executor/layers/linear.py",
+        "v0.25.1",
+        "QKVParallelLinear.load_weights L1340 -> weight_loader L1153 "
+        "(v0.27.1, main's: L1417 -> L1230)",
+    ),
+    Citation(
+        VLLM_ASCEND,
+        "vllm_ascend/quantization/modelslim_config.py",
+        V0251,
+        "get_cache_scale_mapper",
+    ),
+)
+
 LOADER_RULES: tuple[Rule, ...] = (
     Rule(
         "c8.qwen2-moe-qkv-module",
@@ -96,20 +114,30 @@ LOADER_RULES: tuple[Rule, ...] = (
         "that is no parameter of the fused qkv_proj, which then hands the layer "
         "itself to weight_loader: AttributeError 'AscendQKVParallelLinear' object "
         "has no attribute 'data' (the real loader, 0.25.1rc1 and main at "
-        "182b75ea; every other family's C8 loads there)",
-        (
+        "182b75ea; Gemma 3: c8.gemma3-qkv-module; every other family's C8 "
+        "loads there)",
+        _QKV_MODULE_CITES,
+    ),
+    Rule(
+        "c8.gemma3-qkv-module",
+        "vllm-ascend",
+        "C8",
+        ("0.25.1rc1", "main"),
+        frozenset({"Gemma3ForCausalLM"}),
+        False,
+        "Gemma3Model's AutoWeightsLoader hands its C8 scales to vLLM's "
+        "QKVParallelLinear.load_weights under a name that is no parameter of the "
+        "fused qkv_proj, which then hands the layer itself to weight_loader: "
+        "AttributeError 'AscendQKVParallelLinear' object has no attribute 'data' "
+        "(the real loader, 0.25.1rc1 and main at 182b75ea, before the C8 "
+        "attention's missing sliding window, c8.no-sliding-window, would matter)",
+        _QKV_MODULE_CITES
+        + (
             Citation(
                 VLLM,
-                "vllm/model_executor/layers/linear.py",
+                "vllm/model_executor/models/gemma3.py",
                 "v0.25.1",
-                "QKVParallelLinear.load_weights L1340 -> weight_loader L1153 "
-                "(v0.27.1, main's: L1417 -> L1230)",
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                V0251,
-                "get_cache_scale_mapper",
+                "Gemma3Model.load_weights L375 (AutoWeightsLoader; v0.27.1: L375)",
             ),
         ),
     ),

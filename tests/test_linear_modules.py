@@ -155,6 +155,40 @@ def test_from_tensors_round_trip_is_bit_equal():
         assert torch.equal(W8A8DynamicLinear.from_tensors("p", parts, dtype)(x), d(x))
 
 
+def test_direct_path_follows_buffer_changes():
+    """The direct path derives 1 / input_scale, the offset and fp64 quant_bias
+    once per state of the buffers: an in-place change or a new buffer (a load)
+    is seen on the next call, as the op path (through torch.ops) sees it."""
+    w, b, x = _layer(seed=5)
+    m = W8A8Linear.from_float(
+        w, b, float(x.min()), float(x.max()), dtype=torch.bfloat16
+    )
+    first = m(x)
+    assert torch.equal(m(x), first)
+    m.input_scale.mul_(2)
+    m.quant_bias.add_(7)
+    changed = m(x)
+    assert not torch.equal(changed, first)
+    other = W8A8Linear.from_tensors(
+        "p", {k.removeprefix("p."): v for k, v in m.export_tensors("p").items()},
+        torch.bfloat16,
+    )  # fmt: skip
+    assert torch.equal(other(x), changed)
+    m.load_state_dict({**m.state_dict(), "input_offset": m.input_offset + 3})
+    assert torch.equal(m(x), quantized_through_op(m, x))
+
+
+def quantized_through_op(m, x):
+    """``m(x)`` through torch.ops (a dispatch mode active: no direct call)."""
+
+    class _Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        return m(x)
+
+
 def test_smooth_factors_zero_channels_and_tied_heads():
     from ascend_fa.linear.search import smooth_factors
 

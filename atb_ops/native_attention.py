@@ -1,0 +1,277 @@
+"""C source of the fused GQA decode over an int8 paged cache, compiled into the
+library of :mod:`ascend_fa.atb_ops.native` (appended to its source, whose
+``afa_simd`` it uses).
+
+``afa_gqa_decode`` is one decode step of :func:`~ascend_fa.atb_ops.attention.
+paged_attention` for a range of (sequence, KV head) tasks, straight from the
+cache's int8 codes: for each task it widens the sequence's K rows (looked up
+through the block table, ND rows or NZ fractal runs) to fp32 one at a time and
+forms the ``g`` query heads' scores, takes the softmax, then accumulates ``P V``
+over the widened V rows. The eager path instead copies every sequence's whole
+context into fp32 matrices first (four bytes written and read again per code)
+and runs two batched GEMMs of ``g`` rows each; here each code is read once, as a
+byte.
+
+Numerics, against the eager path (same operands: the fp32 query operand and
+score factor of ``_gqa_operands``):
+
+* scores: the fp32 dot product of the query operand with the widened codes (FMA
+  accumulation, lanes then a fixed tree), times the head's factor. Where the
+  query operand holds integers (FAQuant) every partial sum is an integer below
+  2**24, so the scores are exact and equal the eager path's bit for bit;
+  otherwise they differ from the BLAS order by fp32 rounding only;
+* softmax: ``exp(s - max)`` by a degree-6 polynomial after a Cody-Waite
+  reduction (about 1 ulp; inputs below -87.33 give 0, where the eager exp gives a
+  denormal below 1.2e-38), sum, times the sum's reciprocal;
+* ``P V``: fp32 FMA accumulation in token order (the eager GEMM's order differs).
+
+So FAQuant scores are bit-equal and every output differs from the eager path by
+fp32 rounding only (the tests hold both to the float64 reference's budget).
+Returns 0, or a negative code the caller turns into its one-line error: -1 a
+length outside ``[1, table columns * BS]``, -2 a block id outside the cache, -3
+no memory for the scratch rows.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ATTENTION_SOURCE"]
+
+ATTENTION_SOURCE = r"""
+/* -- GQA decode over an int8 paged cache -------------------------------------- */
+#define EXP_LO -87.33654f
+
+/* exp(x) for x <= 0 (the softmax's shifted scores): n = round(x / ln 2), r = x -
+   n ln 2 in two steps (Cody-Waite), exp(r) by Cephes' degree-6 polynomial, times
+   2^n from the exponent bits. Below EXP_LO (2^n would be denormal) it is 0. */
+static inline float exp_scalar(float x) {
+    if (!(x >= EXP_LO)) return x != x ? x : 0.0f;
+    float n = x * 1.44269504088896341f;
+    n = (n + ROUND_MAGIC) - ROUND_MAGIC;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float y = 1.9875691500E-4f;
+    y = y * r + 1.3981999507E-3f;
+    y = y * r + 8.3334519073E-3f;
+    y = y * r + 4.1665795894E-2f;
+    y = y * r + 1.6666665459E-1f;
+    y = y * r + 5.0000001201E-1f;
+    y = y * (r * r) + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return y * two_n;
+}
+
+/* codes at ``src`` (d of them, one head's row) -> fp32 ``dst``; an NZ row is
+   d / 32 runs of 32 codes, ``run_step`` bytes apart (0: ND, one run). */
+static inline void widen_scalar(const int8_t *src, int64_t d, int64_t run_step,
+                                float *dst) {
+    for (int64_t i = 0; i < d; i++) {
+        const int8_t *p = run_step ? src + (i / 32) * run_step + i % 32 : src + i;
+        dst[i] = (float)*p;
+    }
+}
+
+#ifdef HAVE_X86
+__attribute__((target("avx2,fma")))
+static inline __m256 exp8(__m256 x) {
+    __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+    __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    /* NaN in -> NaN out (max() dropped it); below EXP_LO -> 0 */
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    y = _mm256_andnot_ps(lo, y);
+    return _mm256_blendv_ps(y, x, nan);
+}
+
+__attribute__((target("avx2,fma")))
+static inline __m256 codes_f8(const int8_t *p) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+/* d % 8 == 0 (and d % 32 == 0 for NZ, whose 32-code runs hold whole vectors) */
+__attribute__((target("avx2,fma")))
+static void widen8(const int8_t *src, int64_t d, int64_t run_step, float *dst) {
+    for (int64_t i = 0; i < d; i += 8) {
+        const int8_t *p = run_step ? src + (i / 32) * run_step + i % 32 : src + i;
+        _mm256_storeu_ps(dst + i, codes_f8(p));
+    }
+}
+
+__attribute__((target("avx2,fma")))
+static inline float dot8(const float *a, const float *b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma")))
+static void softmax8(float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t l = 1; l < n; l++) m = s[l] > m ? s[l] : m;
+    if (m != m) m = 0.0f;
+    for (int64_t l = 0; l < n; l++) m = s[l] != s[l] ? s[l] : m;
+    __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= n; l += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), mv));
+        _mm256_storeu_ps(s + l, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    float buf[8];
+    _mm256_storeu_ps(buf, sum);
+    float total = ((buf[0] + buf[1]) + (buf[2] + buf[3])) +
+                  ((buf[4] + buf[5]) + (buf[6] + buf[7]));
+    for (; l < n; l++) {
+        s[l] = exp_scalar(s[l] - m);
+        total += s[l];
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (l = 0; l + 8 <= n; l += 8)
+        _mm256_storeu_ps(s + l, _mm256_mul_ps(_mm256_loadu_ps(s + l), inv));
+    for (; l < n; l++) s[l] = s[l] * (1.0f / total);
+}
+
+__attribute__((target("avx2,fma")))
+static inline void axpy8(float a, const float *x, float *y, int64_t d) {
+    __m256 av = _mm256_set1_ps(a);
+    for (int64_t i = 0; i < d; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i),
+                                                _mm256_loadu_ps(y + i)));
+}
+#endif
+
+static void softmax_scalar(float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t l = 1; l < n; l++) m = s[l] > m ? s[l] : m;
+    if (m != m) m = 0.0f;
+    for (int64_t l = 0; l < n; l++) m = s[l] != s[l] ? s[l] : m;
+    float total = 0.0f;
+    for (int64_t l = 0; l < n; l++) {
+        s[l] = exp_scalar(s[l] - m);
+        total += s[l];
+    }
+    for (int64_t l = 0; l < n; l++) s[l] = s[l] * (1.0f / total);
+}
+
+static inline float dot_scalar(const float *a, const float *b, int64_t d) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void axpy_scalar(float a, const float *x, float *y, int64_t d) {
+    for (int64_t i = 0; i < d; i++) y[i] += a * x[i];
+}
+
+typedef struct {
+    const int8_t *kc, *vc;
+    int64_t kstride, vstride, nblocks, bs, width, run_step, nz;
+    const int32_t *table;
+    int64_t tcols;
+} PagedCache;
+
+/* the first code of head ``kvh``'s row at position ``l`` of the sequence whose
+   block-table row is ``row``, in the cache starting at ``base`` */
+static inline const int8_t *row_at(const PagedCache *c, const int8_t *base,
+                                   int64_t stride, int64_t blk, int64_t t,
+                                   int64_t kvh, int64_t d) {
+    const int8_t *b = base + blk * stride;
+    if (!c->nz) return b + t * c->width + kvh * d;
+    return b + ((kvh * d) / 32) * c->run_step + t * 32;
+}
+
+/* One (sequence, KV head) task: out[g, d] (before the V scale) from q[g, d]. */
+static int gqa_task(const PagedCache *c, const float *q, const float *coef,
+                    int64_t row, int64_t n, int64_t kvh, int64_t g, int64_t d,
+                    float *scores, float *tmp, float *out, int vec) {
+    for (int64_t l = 0; l < n; l++) {
+        int64_t blk = c->table[row * c->tcols + l / c->bs];
+        if (blk < 0 || blk >= c->nblocks) return -2;
+        const int8_t *src = row_at(c, c->kc, c->kstride, blk, l % c->bs, kvh, d);
+        int64_t step = c->nz ? c->run_step : 0;
+#ifdef HAVE_X86
+        if (vec) {
+            widen8(src, d, step, tmp);
+            for (int64_t j = 0; j < g; j++)
+                scores[j * n + l] = dot8(q + j * d, tmp, d) * coef[j];
+            continue;
+        }
+#endif
+        widen_scalar(src, d, step, tmp);
+        for (int64_t j = 0; j < g; j++)
+            scores[j * n + l] = dot_scalar(q + j * d, tmp, d) * coef[j];
+    }
+    for (int64_t j = 0; j < g; j++) {
+#ifdef HAVE_X86
+        if (vec) { softmax8(scores + j * n, n); continue; }
+#endif
+        softmax_scalar(scores + j * n, n);
+    }
+    memset(out, 0, (size_t)(g * d) * sizeof(float));
+    for (int64_t l = 0; l < n; l++) {
+        int64_t blk = c->table[row * c->tcols + l / c->bs];
+        const int8_t *src = row_at(c, c->vc, c->vstride, blk, l % c->bs, kvh, d);
+        int64_t step = c->nz ? c->run_step : 0;
+#ifdef HAVE_X86
+        if (vec) {
+            widen8(src, d, step, tmp);
+            for (int64_t j = 0; j < g; j++)
+                axpy8(scores[j * n + l], tmp, out + j * d, d);
+            continue;
+        }
+#endif
+        widen_scalar(src, d, step, tmp);
+        for (int64_t j = 0; j < g; j++)
+            axpy_scalar(scores[j * n + l], tmp, out + j * d, d);
+    }
+    return 0;
+}
+
+/* Tasks [t0, t1) of a decode step: task t is sequence t / hkv, KV head t % hkv.
+   q [B, H, D] fp32, coef [H] fp32, out [B, H, D] fp32 (before the V scale);
+   caches int8, block ``i`` at ``i * stride`` (ND: [BS, hkv * D] rows; NZ: hkv * D
+   / 32 runs of [BS, 32]); table int32 [B, tcols]; lens int32 [B]. */
+int afa_gqa_decode(const float *q, const float *coef, const int8_t *kc,
+                   int64_t kstride, const int8_t *vc, int64_t vstride,
+                   int64_t nblocks, int64_t bs, const int32_t *table, int64_t tcols,
+                   const int32_t *lens, int64_t hkv, int64_t h, int64_t d, int nz,
+                   int64_t t0, int64_t t1, float *out) {
+    int64_t g = h / hkv, lmax = tcols * bs;
+    PagedCache c = {kc, vc, kstride, vstride, nblocks, bs, hkv * d, bs * 32, nz,
+                    table, tcols};
+    int vec = 0;
+#ifdef HAVE_X86
+    vec = afa_simd() && __builtin_cpu_supports("fma") && d % 8 == 0;
+#endif
+    float *scratch = (float *)malloc((size_t)(g * lmax + d) * sizeof(float));
+    if (!scratch) return -3;
+    int rc = 0;
+    for (int64_t t = t0; t < t1 && rc == 0; t++) {
+        int64_t b = t / hkv, kvh = t % hkv, n = lens[b];
+        if (n < 1 || n > lmax) { rc = -1; break; }
+        rc = gqa_task(&c, q + (b * h + kvh * g) * d, coef + kvh * g, b, n, kvh, g,
+                      d, scratch, scratch + g * lmax, out + (b * h + kvh * g) * d, vec);
+    }
+    free(scratch);
+    return rc;
+}
+"""

@@ -745,9 +745,9 @@ def _native_decode(qop, coef, vsc, key_cache, value_cache, block_table, seq_lens
 
 
 def _run_tasks(kernels, q, coef, key_cache, value_cache, table, lens, hkv, nz, out):
-    """The kernel over all (sequence, KV head) tasks, split across up to
+    """The kernel over all sequences, split across up to
     ``torch.get_num_threads()`` threads (the call releases the GIL)."""
-    tasks = q.shape[0] * hkv
+    tasks = q.shape[0]
     parts = max(1, min(torch.get_num_threads(), tasks))
     args = (q, coef, key_cache, value_cache, table, lens, hkv, nz, out)
     if parts == 1:

@@ -67,6 +67,7 @@ from collections.abc import Callable
 import torch
 
 from .constants import INT8_MAX, INT8_MIN
+from .native import native_kernels
 
 __all__ = [
     "FP19_MASK",
@@ -164,6 +165,9 @@ def static_codes(
     float, ``scale`` / ``offset`` fp32 ``[1]`` on its device. The op runs it; a
     caller whose operands are already checked (a quantized linear's own buffers)
     calls it directly and skips the op's checks and dispatch."""
+    native = _native_static_codes(x, scale, offset, div_mode)
+    if native is not None:
+        return native
     # fp16 / bf16 x: the product is formed in fp32 (type promotion with the [1]
     # fp32 scale widens x exactly); an fp64 x is rounded to fp32 first, as the
     # device takes fp32 at most.
@@ -171,6 +175,26 @@ def static_codes(
     # Two fp32 roundings (scale, then offset) and ties to even, as the golden does.
     y = torch.div(xf, scale) if div_mode else torch.mul(xf, scale)
     return y.add_(offset).round_().clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+_NATIVE_IN = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _native_static_codes(x, scale, offset, div_mode) -> torch.Tensor | None:
+    """:func:`static_codes` by the native kernel (the same codes, bit for bit:
+    :mod:`~ascend_fa.atb_ops.native_linear`) for contiguous CPU operands, else
+    None."""
+    if x.device.type != "cpu" or x.dtype not in _NATIVE_IN or not x.is_contiguous():
+        return None
+    if scale.device.type != "cpu" or offset.device.type != "cpu":
+        return None
+    if scale.numel() != 1 or offset.numel() != 1:
+        return None
+    kernels = native_kernels()
+    if kernels is None:
+        return None
+    s, o = scale.item(), offset.item()
+    return kernels.static_codes(x, s, o, div_mode)
 
 
 @_quantize_static_op.register_fake
@@ -394,7 +418,7 @@ def _quant_matmul_op(
     acc = int_gemm(x_q, weight)
     bias = None
     if quant_bias is not None:
-        bias = quant_bias.to(acc.device, torch.float64)
+        bias = quant_bias.to(acc.device, torch.int32)
     deq = decode_deq_scale(deq_scale).to(acc.device)
     return static_dequant(acc, deq, bias, _out_dtype(out_dtype))
 
@@ -406,14 +430,38 @@ def static_dequant(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The epilogue of ``quant_matmul`` on checked operands: ``acc`` int32
-    ``[M, N]`` (:func:`int_gemm`), ``deq`` fp32 ``[N]`` (decoded), ``bias`` fp64
-    ``[N]`` (``quant_bias``) or None -> ``(acc + bias) * deq`` in ``out_dtype``
-    (see :func:`static_codes` for why it is callable directly)."""
+    ``[M, N]`` (:func:`int_gemm`), ``deq`` fp32 ``[N]`` (decoded), ``bias``
+    (``quant_bias``: int32, or its fp64 values) ``[N]`` or None -> ``(acc +
+    bias) * deq`` in ``out_dtype`` (see :func:`static_codes` for why it is
+    callable directly)."""
+    native = _native_static_dequant(acc, deq, bias, out_dtype)
+    if native is not None:
+        return native
+    if bias is not None and bias.dtype == torch.int32:
+        bias = bias.double()
     # int32 + int32 added in fp64 (exact), the sum -> fp32 (one rounding; an
     # int32 alone converts with the same single rounding), times the fp32 scale,
     # one rounding to out.
     y = acc.float() if bias is None else torch.add(acc, bias).float()
     return y.mul_(deq).to(out_dtype)
+
+
+def _native_static_dequant(acc, deq, bias, out_dtype) -> torch.Tensor | None:
+    """:func:`static_dequant` by the native kernel (bit for bit) for contiguous
+    CPU operands, an int32 bias (``quant_bias`` itself) or none, and bf16 / fp32
+    output, else None."""
+    if out_dtype not in (torch.bfloat16, torch.float32) or acc.device.type != "cpu":
+        return None
+    if acc.dtype != torch.int32 or acc.dim() != 2 or not acc.is_contiguous():
+        return None
+    if deq.dtype != torch.float32 or not deq.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype != torch.int32 or not bias.is_contiguous()):
+        return None
+    kernels = native_kernels()
+    if kernels is None:
+        return None
+    return kernels.static_dequant(acc, bias, deq, out_dtype)
 
 
 @_quant_matmul_op.register_fake

@@ -70,6 +70,7 @@ import torch
 from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
 from .native_attention import ATTENTION_SOURCE
 from .native_fp8 import FP8_SOURCE
+from .native_linear import LINEAR_SOURCE
 
 __all__ = [
     "NATIVE_ENV",
@@ -662,7 +663,7 @@ _CFLAGS = (
 
 def _source() -> str:
     return (
-        (_SOURCE + FP8_SOURCE + ATTENTION_SOURCE)
+        (_SOURCE + FP8_SOURCE + ATTENTION_SOURCE + LINEAR_SOURCE)
         .replace("@ROW_MAX@", str(MAX_ROW_BYTES))
         .replace("@ROUND_MAGIC@", repr(float(ROUND_MAGIC)))
         .replace("@CODE_MIN@", str(INT8_MIN))
@@ -855,6 +856,11 @@ class NativeKernels:
             c_int, i64, i64, ptr,
         ]  # fmt: skip
         lib.afa_gqa_decode.restype = c_int
+        f32 = ctypes.c_float
+        lib.afa_static_codes.argtypes = [ptr, c_int, i64, f32, f32, c_int, ptr]
+        lib.afa_static_codes.restype = c_int
+        lib.afa_static_dequant.argtypes = [ptr, i64, i64, ptr, ptr, c_int, ptr]
+        lib.afa_static_dequant.restype = c_int
         lib.afa_set_simd.argtypes = [c_int]
         lib.afa_set_simd.restype = None
         lib.afa_set_explicit_round.argtypes = [c_int]
@@ -1078,6 +1084,38 @@ class NativeKernels:
                 out.data_ptr(),
             )  # fmt: skip
         )
+
+    def static_codes(
+        self, x: torch.Tensor, scale: float, offset: float, div: bool
+    ) -> torch.Tensor | None:
+        """``static_codes`` of contiguous CPU ``x`` (fp16, bf16 or fp32) with fp32
+        ``scale`` / ``offset``: int8 of ``x``'s shape, or None outside the default
+        float environment (see :mod:`~ascend_fa.atb_ops.native_linear`)."""
+        out = torch.empty(x.shape, dtype=torch.int8)
+        rc = self._lib.afa_static_codes(
+            x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), scale, offset,
+            int(div), out.data_ptr(),
+        )  # fmt: skip
+        return None if rc != 0 else out
+
+    def static_dequant(
+        self,
+        acc: torch.Tensor,
+        quant_bias: torch.Tensor | None,
+        deq: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor | None:
+        """``static_dequant`` of contiguous int32 ``acc`` ``[M, N]`` with int32
+        ``quant_bias`` ``[N]`` (or None) and fp32 ``deq`` ``[N]`` into bf16 or
+        fp32; None outside the default float environment."""
+        m, n = acc.shape
+        out = torch.empty(m, n, dtype=out_dtype)
+        rc = self._lib.afa_static_dequant(
+            acc.data_ptr(), m, n,
+            None if quant_bias is None else quant_bias.data_ptr(), deq.data_ptr(),
+            int(out_dtype == torch.bfloat16), out.data_ptr(),
+        )  # fmt: skip
+        return None if rc != 0 else out
 
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """The kernel's quantizer alone: codes of contiguous ``x`` under one scale

@@ -150,13 +150,6 @@ static void softmax8(float *s, int64_t n) {
     for (; l < n; l++) s[l] = s[l] * (1.0f / total);
 }
 
-__attribute__((target("avx2,fma")))
-static inline void axpy8(float a, const float *x, float *y, int64_t d) {
-    __m256 av = _mm256_set1_ps(a);
-    for (int64_t i = 0; i < d; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i),
-                                                _mm256_loadu_ps(y + i)));
-}
 #endif
 
 static void softmax_scalar(float *s, int64_t n) {
@@ -184,92 +177,248 @@ static inline void axpy_scalar(float a, const float *x, float *y, int64_t d) {
 
 typedef struct {
     const int8_t *kc, *vc;
-    int64_t kstride, vstride, nblocks, bs, width, run_step, nz;
-    const int32_t *table;
-    int64_t tcols;
+    int64_t kstride, vstride, nblocks, bs, hkv, d, nz;
+    int64_t row_step;  /* bytes from a token's row to the next one's in a block */
+    int64_t run_step;  /* NZ: bytes from a 32-code run to the next (BS * 32) */
+    const int32_t *table;  /* the sequence's block-table row */
 } PagedCache;
 
-/* the first code of head ``kvh``'s row at position ``l`` of the sequence whose
-   block-table row is ``row``, in the cache starting at ``base`` */
-static inline const int8_t *row_at(const PagedCache *c, const int8_t *base,
-                                   int64_t stride, int64_t blk, int64_t t,
-                                   int64_t kvh, int64_t d) {
-    const int8_t *b = base + blk * stride;
-    if (!c->nz) return b + t * c->width + kvh * d;
-    return b + ((kvh * d) / 32) * c->run_step + t * 32;
+/* offset of KV head ``kvh``'s first code in a token's row */
+static inline int64_t head_off(const PagedCache *c, int64_t kvh) {
+    return c->nz ? ((kvh * c->d) / 32) * c->run_step : kvh * c->d;
 }
 
-/* One (sequence, KV head) task: out[g, d] (before the V scale) from q[g, d]. */
-static int gqa_task(const PagedCache *c, const float *q, const float *coef,
-                    int64_t row, int64_t n, int64_t kvh, int64_t g, int64_t d,
-                    float *scores, float *tmp, float *out, int vec) {
-    for (int64_t l = 0; l < n; l++) {
-        int64_t blk = c->table[row * c->tcols + l / c->bs];
+/* token ``t`` of block ``blk`` (checked by the caller), head ``kvh`` */
+static inline const int8_t *row_at(const PagedCache *c, const int8_t *base,
+                                   int64_t stride, int64_t blk, int64_t t,
+                                   int64_t kvh) {
+    return base + blk * stride + head_off(c, kvh) + t * c->row_step;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static int check_blocks(const PagedCache *c, int64_t n) {
+    for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
+        int64_t blk = c->table[l0 / c->bs];
         if (blk < 0 || blk >= c->nblocks) return -2;
-        const int8_t *src = row_at(c, c->kc, c->kstride, blk, l % c->bs, kvh, d);
-        int64_t step = c->nz ? c->run_step : 0;
-#ifdef HAVE_X86
-        if (vec) {
-            widen8(src, d, step, tmp);
-            for (int64_t j = 0; j < g; j++)
-                scores[j * n + l] = dot8(q + j * d, tmp, d) * coef[j];
-            continue;
-        }
-#endif
-        widen_scalar(src, d, step, tmp);
-        for (int64_t j = 0; j < g; j++)
-            scores[j * n + l] = dot_scalar(q + j * d, tmp, d) * coef[j];
-    }
-    for (int64_t j = 0; j < g; j++) {
-#ifdef HAVE_X86
-        if (vec) { softmax8(scores + j * n, n); continue; }
-#endif
-        softmax_scalar(scores + j * n, n);
-    }
-    memset(out, 0, (size_t)(g * d) * sizeof(float));
-    for (int64_t l = 0; l < n; l++) {
-        int64_t blk = c->table[row * c->tcols + l / c->bs];
-        const int8_t *src = row_at(c, c->vc, c->vstride, blk, l % c->bs, kvh, d);
-        int64_t step = c->nz ? c->run_step : 0;
-#ifdef HAVE_X86
-        if (vec) {
-            widen8(src, d, step, tmp);
-            for (int64_t j = 0; j < g; j++)
-                axpy8(scores[j * n + l], tmp, out + j * d, d);
-            continue;
-        }
-#endif
-        widen_scalar(src, d, step, tmp);
-        for (int64_t j = 0; j < g; j++)
-            axpy_scalar(scores[j * n + l], tmp, out + j * d, d);
     }
     return 0;
 }
 
-/* Tasks [t0, t1) of a decode step: task t is sequence t / hkv, KV head t % hkv.
-   q [B, H, D] fp32, coef [H] fp32, out [B, H, D] fp32 (before the V scale);
-   caches int8, block ``i`` at ``i * stride`` (ND: [BS, hkv * D] rows; NZ: hkv * D
-   / 32 runs of [BS, 32]); table int32 [B, tcols]; lens int32 [B]. */
+/* the scores s [H, n] of one sequence: q [H, D], coef [H] */
+static void scores_scalar(const PagedCache *c, const float *q, const float *coef,
+                          int64_t n, int64_t g, float *s, float *tmp) {
+    int64_t d = c->d, step = c->nz ? c->run_step : 0;
+    for (int64_t l = 0; l < n; l++) {
+        int64_t blk = c->table[l / c->bs];
+        for (int64_t kvh = 0; kvh < c->hkv; kvh++) {
+            widen_scalar(row_at(c, c->kc, c->kstride, blk, l % c->bs, kvh), d, step,
+                         tmp);
+            for (int64_t j = kvh * g; j < (kvh + 1) * g; j++)
+                s[j * n + l] = dot_scalar(q + j * d, tmp, d) * coef[j];
+        }
+    }
+}
+
+/* out [H, D] = P [H, n] . V, in token order */
+static void pv_scalar(const PagedCache *c, const float *p, int64_t n, int64_t g,
+                      float *tmp, float *out) {
+    int64_t d = c->d, step = c->nz ? c->run_step : 0;
+    memset(out, 0, (size_t)(c->hkv * g * d) * sizeof(float));
+    for (int64_t l = 0; l < n; l++) {
+        int64_t blk = c->table[l / c->bs];
+        for (int64_t kvh = 0; kvh < c->hkv; kvh++) {
+            widen_scalar(row_at(c, c->vc, c->vstride, blk, l % c->bs, kvh), d, step,
+                         tmp);
+            for (int64_t j = kvh * g; j < (kvh + 1) * g; j++)
+                axpy_scalar(p[j * n + l], tmp, out + j * d, d);
+        }
+    }
+}
+
+#ifdef HAVE_X86
+/* the sums of a[0..7]'s lanes, as one vector (lane r: the sum of a[r]) */
+__attribute__((target("avx2,fma")))
+static inline __m256 sum8x8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    t0 = _mm256_hadd_ps(t0, t1);
+    t2 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t2, 0x20),
+                         _mm256_permute2f128_ps(t0, t2, 0x31));
+}
+
+/* scores of 8 consecutive tokens (widened rows in tmp [8, d]) for g heads */
+__attribute__((target("avx2,fma")))
+static void scores_rows8(const float *q, const float *coef, const float *tmp,
+                         int64_t g, int64_t d, int64_t n, float *s) {
+    for (int64_t j = 0; j < g; j++) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + j * d + i);
+            for (int r = 0; r < 8; r++)
+                acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tmp + r * d + i), acc[r]);
+        }
+        __m256 sum = _mm256_mul_ps(sum8x8(acc), _mm256_set1_ps(coef[j]));
+        _mm256_storeu_ps(s + j * n, sum);
+    }
+}
+
+static inline void prefetch_block(const int8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes && o < 1024; o += 64) __builtin_prefetch(p + o);
+}
+
+/* the next block's rows while this block's are worked on (ND rows are
+   contiguous: 8 tokens' rows are one run of bytes) */
+static inline void prefetch_rows(const int8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o);
+}
+
+/* block by block (each block's rows read front to back, all heads together) */
+__attribute__((target("avx2,fma")))
+static void scores_vec(const PagedCache *c, const float *q, const float *coef,
+                       int64_t n, int64_t g, float *s, float *tmp) {
+    int64_t d = c->d, step = c->nz ? c->run_step : 0;
+    for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
+        int64_t blk = c->table[l0 / c->bs], rows = min64(c->bs, n - l0);
+        if (l0 + c->bs < n)
+            prefetch_block(c->kc + c->table[l0 / c->bs + 1] * c->kstride, c->kstride);
+        const int8_t *next = l0 + c->bs < n && !c->nz
+                                 ? c->kc + c->table[l0 / c->bs + 1] * c->kstride
+                                 : NULL;
+        int64_t t = 0;
+        for (; t + 8 <= rows; t += 8) {
+            if (next) prefetch_rows(next + t * c->row_step, 8 * c->row_step);
+            for (int64_t kvh = 0; kvh < c->hkv; kvh++) {
+                for (int r = 0; r < 8; r++)
+                    widen8(row_at(c, c->kc, c->kstride, blk, t + r, kvh), d, step,
+                           tmp + r * d);
+                scores_rows8(q + kvh * g * d, coef + kvh * g, tmp, g, d, n,
+                             s + kvh * g * n + l0 + t);
+            }
+        }
+        for (; t < rows; t++) {
+            for (int64_t kvh = 0; kvh < c->hkv; kvh++) {
+                widen8(row_at(c, c->kc, c->kstride, blk, t, kvh), d, step, tmp);
+                for (int64_t j = kvh * g; j < (kvh + 1) * g; j++)
+                    s[j * n + l0 + t] = dot8(q + j * d, tmp, d) * coef[j];
+            }
+        }
+    }
+}
+
+/* acc (8 vectors: heads p[0..3] x 16 columns) += P . V over ``rows`` tokens from
+   ``col`` (the block's first token, at the tile's first column) */
+__attribute__((target("avx2,fma")))
+static void pv_tile(const float *const *p, const int8_t *col, int64_t row_step,
+                    int64_t rows, __m256 *acc) {
+    for (int64_t t = 0; t < rows; t++) {
+        const int8_t *src = col + t * row_step;
+        __m256 v0 = codes_f8(src), v1 = codes_f8(src + 8);
+        for (int jj = 0; jj < 4; jj++) {
+            __m256 pj = _mm256_broadcast_ss(p[jj] + t);
+            acc[2 * jj] = _mm256_fmadd_ps(pj, v0, acc[2 * jj]);
+            acc[2 * jj + 1] = _mm256_fmadd_ps(pj, v1, acc[2 * jj + 1]);
+        }
+    }
+}
+
+/* out [H, D] = P [H, n] . V, block by block: each output tile is carried in
+   registers through a block's tokens and kept in ``out`` between blocks (an
+   exact store and load: the sums run in token order). Heads go by 4; a missing
+   head reads ``zero`` probabilities and writes to ``sink``. */
+__attribute__((target("avx2,fma")))
+static void pv_vec(const PagedCache *c, const float *p, int64_t n, int64_t g,
+                   const float *zero, float *sink, float *out) {
+    int64_t d = c->d, step = c->nz ? c->run_step : 0;
+    memset(out, 0, (size_t)(c->hkv * g * d) * sizeof(float));
+    for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
+        int64_t blk = c->table[l0 / c->bs], rows = min64(c->bs, n - l0);
+        if (l0 + c->bs < n && !c->nz)
+            prefetch_rows(c->vc + c->table[l0 / c->bs + 1] * c->vstride,
+                          rows * c->row_step);
+        for (int64_t kvh = 0; kvh < c->hkv; kvh++) {
+            const int8_t *base = row_at(c, c->vc, c->vstride, blk, 0, kvh);
+            for (int64_t j0 = 0; j0 < g; j0 += 4) {
+                const float *rows_p[4];
+                float *dst[4];
+                for (int jj = 0; jj < 4; jj++) {
+                    int64_t j = kvh * g + j0 + jj;
+                    int ok = j0 + jj < g;
+                    rows_p[jj] = ok ? p + j * n + l0 : zero;
+                    dst[jj] = ok ? out + j * d : sink;
+                }
+                for (int64_t i0 = 0; i0 < d; i0 += 16) {
+                    const int8_t *col = step ? base + (i0 / 32) * step + i0 % 32
+                                             : base + i0;
+                    __m256 acc[8];
+                    for (int jj = 0; jj < 4; jj++) {
+                        acc[2 * jj] = _mm256_loadu_ps(dst[jj] + i0);
+                        acc[2 * jj + 1] = _mm256_loadu_ps(dst[jj] + i0 + 8);
+                    }
+                    pv_tile(rows_p, col, c->row_step, rows, acc);
+                    for (int jj = 0; jj < 4; jj++) {
+                        _mm256_storeu_ps(dst[jj] + i0, acc[2 * jj]);
+                        _mm256_storeu_ps(dst[jj] + i0 + 8, acc[2 * jj + 1]);
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
+/* One sequence: out [H, D] (before the V scale) from q [H, D]. scratch: H * lmax
+   scores, lmax zeros, 8 * D widened rows, then D sink floats. */
+static int gqa_seq(const PagedCache *c, const float *q, const float *coef,
+                   int64_t n, int64_t g, int64_t lmax, float *scratch, float *out,
+                   int vec) {
+    int rc = check_blocks(c, n);
+    if (rc) return rc;
+    int64_t h = c->hkv * g;
+    float *s = scratch, *zero = s + h * lmax, *tmp = zero + lmax;
+    float *sink = tmp + 8 * c->d;
+#ifdef HAVE_X86
+    if (vec) {
+        scores_vec(c, q, coef, n, g, s, tmp);
+        for (int64_t j = 0; j < h; j++) softmax8(s + j * n, n);
+        pv_vec(c, s, n, g, zero, sink, out);
+        return 0;
+    }
+#else
+    (void)sink;
+#endif
+    scores_scalar(c, q, coef, n, g, s, tmp);
+    for (int64_t j = 0; j < h; j++) softmax_scalar(s + j * n, n);
+    pv_scalar(c, s, n, g, tmp, out);
+    return 0;
+}
+
+/* Sequences [b0, b1) of a decode step. q [B, H, D] fp32, coef [H] fp32, out [B,
+   H, D] fp32 (before the V scale); caches int8, block ``i`` at ``i * stride``
+   (ND: [BS, hkv * D] rows; NZ: hkv * D / 32 runs of [BS, 32]); table int32 [B,
+   tcols]; lens int32 [B]. */
 int afa_gqa_decode(const float *q, const float *coef, const int8_t *kc,
                    int64_t kstride, const int8_t *vc, int64_t vstride,
                    int64_t nblocks, int64_t bs, const int32_t *table, int64_t tcols,
                    const int32_t *lens, int64_t hkv, int64_t h, int64_t d, int nz,
-                   int64_t t0, int64_t t1, float *out) {
+                   int64_t b0, int64_t b1, float *out) {
     int64_t g = h / hkv, lmax = tcols * bs;
-    PagedCache c = {kc, vc, kstride, vstride, nblocks, bs, hkv * d, bs * 32, nz,
-                    table, tcols};
     int vec = 0;
 #ifdef HAVE_X86
-    vec = afa_simd() && __builtin_cpu_supports("fma") && d % 8 == 0;
+    vec = afa_simd() && __builtin_cpu_supports("fma") && d % 16 == 0;
 #endif
-    float *scratch = (float *)malloc((size_t)(g * lmax + d) * sizeof(float));
+    float *scratch = (float *)calloc((size_t)(h * lmax + lmax + 9 * d), sizeof(float));
     if (!scratch) return -3;
     int rc = 0;
-    for (int64_t t = t0; t < t1 && rc == 0; t++) {
-        int64_t b = t / hkv, kvh = t % hkv, n = lens[b];
+    for (int64_t b = b0; b < b1 && rc == 0; b++) {
+        int64_t n = lens[b];
         if (n < 1 || n > lmax) { rc = -1; break; }
-        rc = gqa_task(&c, q + (b * h + kvh * g) * d, coef + kvh * g, b, n, kvh, g,
-                      d, scratch, scratch + g * lmax, out + (b * h + kvh * g) * d, vec);
+        PagedCache c = {kc, vc, kstride, vstride, nblocks, bs, hkv, d, nz,
+                        nz ? 32 : hkv * d, bs * 32, table + b * tcols};
+        rc = gqa_seq(&c, q + b * h * d, coef, n, g, lmax, scratch, out + b * h * d,
+                     vec);
     }
     free(scratch);
     return rc;

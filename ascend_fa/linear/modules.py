@@ -371,28 +371,25 @@ class W8A8Linear(QuantizedLinear):
             div_mode=False,
         )
 
-    def _direct_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(1 / input_scale, input_offset, quant_bias)`` as the direct path
-        takes them (fp32 ``[1]``, fp32 ``[1]``, fp64 ``[N]``), derived once per
-        state of the buffers (their storage and version: a load or an in-place
-        change derives them again) instead of four conversions per call."""
-        bufs = (self.input_scale, self.input_offset, self.quant_bias)
+    def _direct_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(1 / input_scale, input_offset)`` as the direct path takes them (fp32
+        ``[1]`` each), derived once per state of the buffers (their storage and
+        version: a load or an in-place change derives them again) instead of
+        three conversions per call."""
+        bufs = (self.input_scale, self.input_offset)
         key = tuple((b.data_ptr(), b._version, b.device) for b in bufs)
         cached = self.__dict__.get("_derived")
         if cached is None or cached[0] != key:
-            ops = (
-                self.activation_reciprocal(),
-                self.input_offset.float(),
-                self.quant_bias.double(),
-            )
+            ops = (self.activation_reciprocal(), self.input_offset.float())
             cached = self.__dict__["_derived"] = (key, ops)
         return cached[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._direct(x):
-            recip, offset, bias = self._direct_operands()
+            recip, offset = self._direct_operands()
             q = static_codes(self._flat(x), recip, offset, False)
-            y = static_dequant(int_gemm(q, self.weight), self.deq_scale, bias, x.dtype)
+            acc = int_gemm(q, self.weight)
+            y = static_dequant(acc, self.deq_scale, self.quant_bias, x.dtype)
             return y.view(*x.shape[:-1], self.out_features)
         q = self.quantize_input(x)
         y = quant_matmul(

@@ -270,8 +270,12 @@ def test_opcheck_attention_ops(rng):
 def test_decode_groups_and_prefill_row_chunks_do_not_change_results(rng, monkeypatch):
     """Decode batches sequences into groups and prefill splits query rows into
     chunks to bound memory; forcing the smallest groups/chunks must not change the
-    result (fp32 query, so only summation order could differ)."""
+    result (fp32 query, so only summation order could differ). The eager decode
+    (the native kernel, where it runs, has no groups)."""
     from ascend_fa.atb_ops import attention as att
+    from ascend_fa.atb_ops.native import NATIVE_ENV
+
+    monkeypatch.setenv(NATIVE_ENV, "0")
 
     env = build(rng, mode="int8_kv", dtype=torch.float32, layout="nz", lens=[3, 70, 41])
     kw = dict(num_kv_heads=env["hkv"], scale=0.2, k_scale=env["ks"], v_scale=env["vs"])
@@ -332,16 +336,22 @@ class _Dispatched(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("scales", ["faquant", "c8"])
 @pytest.mark.parametrize("lens", [[45], [70, 90], [1, 37, 70]])
-def test_decode_fast_path(rng, scales, lens):
+def test_decode_fast_path(rng, scales, lens, native, monkeypatch):
     """The decode path of a serving step: the op's CPU implementation called
     directly, ``check=False`` (a step's later layers), one gather group whose
     result is returned as is, the block table's columns taken as they are when
     every sequence uses the same number of blocks ([45]: one sequence, a table
     wider than it needs; [70, 90]: both three blocks) and rewritten otherwise.
     The same bits as the op through ``torch.ops``, within the error budget of the
-    float64 reference; per-channel (C8) K / V scales with a float query too."""
+    float64 reference; per-channel (C8) K / V scales with a float query too; on
+    the native kernel and on the eager path."""
+    from ascend_fa.atb_ops.native import NATIVE_ENV
+
+    if not native:
+        monkeypatch.setenv(NATIVE_ENV, "0")
     env = build(rng, mode="faquant", dtype=torch.bfloat16, layout="nd", lens=lens)
     h, d, hkv = env["h"], env["d"], env["hkv"]
     wide = torch.cat([env["table"], env["table"][:, :1]], dim=1)  # unused column

@@ -448,6 +448,17 @@ SERVE_START_S = 900
 def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_path):
     """``vllm serve DIR --quantization ascend`` on 127.0.0.1 answers an OpenAI
     completions request over HTTP; the server is stopped in any case."""
+    _serve_and_complete(vllm_python, overlay, artifacts["faquant"], tmp_path)
+
+
+def test_vllm_serve_demo_default_artifact(vllm_python, overlay, demo_default, tmp_path):
+    """The default demo artifact (``ascend-fa calibrate``'s recipe on the
+    embedded SmolLM2: W8A8 linears + FAQuant for MindIE) under ``vllm serve``
+    answers a completions request over HTTP."""
+    _serve_and_complete(vllm_python, overlay, demo_default, tmp_path)
+
+
+def _serve_and_complete(vllm_python, overlay, artifact, tmp_path) -> None:
     import signal
     import time
     import urllib.error
@@ -459,7 +470,7 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
     env.update(PYTHONPATH=str(overlay), TORCH_DEVICE_BACKEND_AUTOLOAD="0",
                VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")  # fmt: skip
     log = (tmp_path / "serve.log").open("w")
-    cmd = [str(vllm_python), "-c", VLLM_CLI, "serve", str(artifacts["faquant"]),
+    cmd = [str(vllm_python), "-c", VLLM_CLI, "serve", str(artifact),
            "--quantization", "ascend", "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "512", "--enforce-eager"]  # fmt: skip
     # cwd outside the checkout: `python -c` puts the cwd first on sys.path, and
@@ -479,7 +490,7 @@ def test_vllm_serve_answers_completions(vllm_python, overlay, artifacts, tmp_pat
                 assert time.monotonic() < deadline, "vllm serve did not start"
                 time.sleep(2)
         out = _get(f"{base}/v1/completions", {
-            "model": str(artifacts["faquant"]), "prompt": "Rain fell on the",
+            "model": str(artifact), "prompt": "Rain fell on the",
             "max_tokens": 8, "temperature": 0.0,
         }, timeout=300)  # fmt: skip
         assert out["object"] == "text_completion"
@@ -501,6 +512,25 @@ def _stop(proc, signal) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+@pytest.fixture(scope="module")
+def demo_default(tmp_path_factory) -> Path:
+    """The default demo artifact: ``ascend-fa calibrate`` with no model and no
+    target (the embedded SmolLM2, W8A8 linears + FAQuant for MindIE), calibrated
+    on 4 x 64 tokens to stay cheap."""
+    pytest.importorskip("gguf")
+    from ascend_fa.cli import main
+
+    out = tmp_path_factory.mktemp("demo") / "smollm2"
+    args = ["calibrate", "--num-samples", "4", "--max-length", "64", "--heldout",
+            "0", "--no-report", "-q", "--output", str(out)]  # fmt: skip
+    rc = main(args)
+    if rc != 0 and not _in_ci():
+        pytest.skip(f"calibrate exited {rc} (no demo model here?)")
+    assert rc == 0
+    assert (out / "quant_model_description.json").is_file()
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -727,7 +727,7 @@ def _native_decode(qop, coef, vsc, key_cache, value_cache, block_table, seq_lens
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(b_sz, h, d, dtype=torch.float32)
-    rc = _run_tasks(kernels, qop.contiguous(), coef.reshape(-1).contiguous(),
+    rc = _run_sequences(kernels, qop.contiguous(), coef.reshape(-1).contiguous(),
                     key_cache, value_cache, table, lens, hkv, layout == "nz",
                     out)  # fmt: skip
     if rc == -1:
@@ -744,15 +744,15 @@ def _native_decode(qop, coef, vsc, key_cache, value_cache, block_table, seq_lens
     return out
 
 
-def _run_tasks(kernels, q, coef, key_cache, value_cache, table, lens, hkv, nz, out):
+def _run_sequences(kernels, q, coef, key_cache, value_cache, table, lens, hkv, nz, out):
     """The kernel over all sequences, split across up to
     ``torch.get_num_threads()`` threads (the call releases the GIL)."""
-    tasks = q.shape[0]
-    parts = max(1, min(torch.get_num_threads(), tasks))
+    seqs = q.shape[0]
+    parts = max(1, min(torch.get_num_threads(), seqs))
     args = (q, coef, key_cache, value_cache, table, lens, hkv, nz, out)
     if parts == 1:
-        return kernels.gqa_decode(*args, (0, tasks))
-    bounds = [tasks * i // parts for i in range(parts + 1)]
+        return kernels.gqa_decode(*args, (0, seqs))
+    bounds = [seqs * i // parts for i in range(parts + 1)]
     pool = _decode_pool(parts - 1)
     futures = [
         pool.submit(kernels.gqa_decode, *args, (bounds[i], bounds[i + 1]))
@@ -768,7 +768,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def _decode_pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of ``workers`` threads for :func:`_run_tasks`, one per process: a
+    """A pool of ``workers`` threads for :func:`_run_sequences`, one per process: a
     forked child has none of its parent's threads, so it makes its own (a pool
     inherited across a fork would queue work no thread runs)."""
     key = (os.getpid(), workers)

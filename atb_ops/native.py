@@ -1051,13 +1051,13 @@ class NativeKernels:
         num_kv_heads: int,
         nz: bool,
         out: torch.Tensor,
-        tasks: tuple[int, int],
+        seqs: tuple[int, int],
     ) -> int:
-        """Decode tasks ``[t0, t1)`` (sequence ``t // Hkv``, KV head ``t % Hkv``)
-        of contiguous fp32 ``q`` ``[B, H, D]`` against the int8 caches (each block
-        contiguous, blocks ``stride(0)`` apart) through contiguous int32 ``table``
-        ``[B, n]`` and ``lens`` ``[B]``, into contiguous fp32 ``out`` ``[B, H,
-        D]`` (before the V scale); ``coef`` ``[H]`` fp32 is the score factor.
+        """Decode sequences ``[b0, b1)`` of contiguous fp32 ``q`` ``[B, H, D]``
+        against the int8 caches (each block contiguous, blocks ``stride(0)``
+        apart) through contiguous int32 ``table`` ``[B, n]`` and ``lens`` ``[B]``,
+        into contiguous fp32 ``out`` ``[B, H, D]`` (before the V scale); ``coef``
+        ``[H]`` fp32 is the score factor.
         Returns 0 or the kernel's error code (see
         :mod:`~ascend_fa.atb_ops.native_attention`)."""
         _, h, d = q.shape
@@ -1079,8 +1079,8 @@ class NativeKernels:
                 h,
                 d,
                 int(nz),
-                tasks[0],
-                tasks[1],
+                seqs[0],
+                seqs[1],
                 out.data_ptr(),
             )  # fmt: skip
         )

@@ -3,11 +3,11 @@ library of :mod:`ascend_fa.atb_ops.native` (appended to its source, whose
 ``afa_simd`` it uses).
 
 ``afa_gqa_decode`` is one decode step of :func:`~ascend_fa.atb_ops.attention.
-paged_attention` for a range of (sequence, KV head) tasks, straight from the
-cache's int8 codes: for each task it widens the sequence's K rows (looked up
-through the block table, ND rows or NZ fractal runs) to fp32 one at a time and
-forms the ``g`` query heads' scores, takes the softmax, then accumulates ``P V``
-over the widened V rows. The eager path instead copies every sequence's whole
+paged_attention` for a range of sequences, straight from the cache's int8 codes:
+for each sequence, block by block (looked up through the block table, ND rows or
+NZ fractal runs), it widens 8 K rows of a KV head at a time to fp32 and forms its
+``g`` query heads' scores, takes each head's softmax, then accumulates ``P V``
+over the V rows in register tiles. The eager path instead copies every sequence's whole
 context into fp32 matrices first (four bytes written and read again per code)
 and runs two batched GEMMs of ``g`` rows each; here each code is read once, as a
 byte.
@@ -39,6 +39,17 @@ __all__ = ["ATTENTION_SOURCE"]
 ATTENTION_SOURCE = r"""
 /* -- GQA decode over an int8 paged cache -------------------------------------- */
 #define EXP_LO -87.33654f
+
+/* the largest of s[0..n), or NaN where one is NaN (the softmax then gives NaN,
+   as torch's does) */
+static inline float row_max(const float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t l = 0; l < n; l++) {
+        if (s[l] != s[l]) return s[l];
+        m = s[l] > m ? s[l] : m;
+    }
+    return m;
+}
 
 /* exp(x) for x <= 0 (the softmax's shifted scores): n = round(x / ln 2), r = x -
    n ln 2 in two steps (Cody-Waite), exp(r) by Cephes' degree-6 polynomial, times
@@ -125,10 +136,7 @@ static inline float dot8(const float *a, const float *b, int64_t d) {
 
 __attribute__((target("avx2,fma")))
 static void softmax8(float *s, int64_t n) {
-    float m = s[0];
-    for (int64_t l = 1; l < n; l++) m = s[l] > m ? s[l] : m;
-    if (m != m) m = 0.0f;
-    for (int64_t l = 0; l < n; l++) m = s[l] != s[l] ? s[l] : m;
+    float m = row_max(s, n);
     __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
     int64_t l = 0;
     for (; l + 8 <= n; l += 8) {
@@ -153,10 +161,7 @@ static void softmax8(float *s, int64_t n) {
 #endif
 
 static void softmax_scalar(float *s, int64_t n) {
-    float m = s[0];
-    for (int64_t l = 1; l < n; l++) m = s[l] > m ? s[l] : m;
-    if (m != m) m = 0.0f;
-    for (int64_t l = 0; l < n; l++) m = s[l] != s[l] ? s[l] : m;
+    float m = row_max(s, n);
     float total = 0.0f;
     for (int64_t l = 0; l < n; l++) {
         s[l] = exp_scalar(s[l] - m);
@@ -265,10 +270,6 @@ static void scores_rows8(const float *q, const float *coef, const float *tmp,
     }
 }
 
-static inline void prefetch_block(const int8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes && o < 1024; o += 64) __builtin_prefetch(p + o);
-}
-
 /* the next block's rows while this block's are worked on (ND rows are
    contiguous: 8 tokens' rows are one run of bytes) */
 static inline void prefetch_rows(const int8_t *p, int64_t bytes) {
@@ -282,8 +283,6 @@ static void scores_vec(const PagedCache *c, const float *q, const float *coef,
     int64_t d = c->d, step = c->nz ? c->run_step : 0;
     for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
         int64_t blk = c->table[l0 / c->bs], rows = min64(c->bs, n - l0);
-        if (l0 + c->bs < n)
-            prefetch_block(c->kc + c->table[l0 / c->bs + 1] * c->kstride, c->kstride);
         const int8_t *next = l0 + c->bs < n && !c->nz
                                  ? c->kc + c->table[l0 / c->bs + 1] * c->kstride
                                  : NULL;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Lint: ruff (rules and one formatting dialect) over the three layers, the tests
 # and the tools; the generated docs pages up to date; the documentation site built
-# with every warning an error (mkdocs.yml, the `docs` extra).
+# with every warning an error (mkdocs.yml, the `docs` extra; not --quiet, which
+# hides the warnings from --strict).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check .
@@ -9,4 +10,4 @@ ruff format --check .
 python ci/gen_docs.py --check
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --quiet --site-dir "$site"
+NO_MKDOCS_2_WARNING=1 python -m mkdocs build --strict --site-dir "$site"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -133,7 +134,21 @@ def _section(
 
 
 def render_cli() -> str:
-    """The CLI reference page, from the parsers."""
+    """The CLI reference page, from the parsers. Defaults that come from the
+    environment (the cache directory) are rendered as an unset environment gives
+    them, under ``~``, so the page is the same on every machine."""
+    saved = {k: os.environ.pop(k) for k in _MACHINE_ENV if k in os.environ}
+    try:
+        return _render_cli()
+    finally:
+        os.environ.update(saved)
+
+
+#: Environment variables that move a default the CLI reference shows.
+_MACHINE_ENV = ("ASCEND_FA_CACHE_DIR", "XDG_CACHE_HOME")
+
+
+def _render_cli() -> str:
     from ascend_fa.benchmarks import benchmark_index
     from ascend_fa.cli import build_parser
     from ascend_fa.cli.bench import bench_parser

@@ -590,7 +590,7 @@ class NativeKernels:
         into contiguous fp32 ``out`` ``[B, H, D]`` (before the V scale); ``coef``
         ``[H]`` fp32 is the score factor.
         Returns 0 or the kernel's error code (see
-        :mod:`~ascend_fa.atb_ops.native_attention`)."""
+        ``atb_ops/csrc/gqa_decode.c``)."""
         _, h, d = q.shape
         bs = key_cache.shape[2] if nz else key_cache.shape[1]
         return int(
@@ -621,7 +621,7 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """``static_codes`` of contiguous CPU ``x`` (fp16, bf16 or fp32) with fp32
         ``scale`` / ``offset``: int8 of ``x``'s shape, or None outside the default
-        float environment (see :mod:`~ascend_fa.atb_ops.native_linear`)."""
+        float environment (see ``atb_ops/csrc/linear.c``)."""
         out = torch.empty(x.shape, dtype=torch.int8)
         rc = self._lib.afa_static_codes(
             x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), scale, offset,

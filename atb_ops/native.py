@@ -52,6 +52,7 @@ __all__ = [
     "CSRC_DIR",
     "HEADER",
     "CFLAGS",
+    "LDFLAGS",
     "WERROR_FLAGS",
     "SANITIZE_FLAGS",
     "NativeStatus",
@@ -91,7 +92,6 @@ CFLAGS = (
     "-O3",
     "-g",
     "-fPIC",
-    "-shared",
     "-fno-fast-math",
     "-ffp-contract=off",
     "-std=gnu99",
@@ -99,6 +99,8 @@ CFLAGS = (
     "-Wall",
     "-Wextra",
 )
+#: The link of the objects into one shared library.
+LDFLAGS = ("-shared",)
 #: Added by the tests' build (CI): any compiler warning fails it.
 WERROR_FLAGS = ("-Werror",)
 #: AddressSanitizer + UndefinedBehaviorSanitizer, every report fatal (the slow
@@ -336,8 +338,36 @@ def _library_name(ident: str) -> str:
     for path in kernel_sources():
         h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         h.update(path.read_bytes())
-    h.update("\0".join([*build_flags(), ident, platform.machine()]).encode())
+    flags = [*build_flags(), *LDFLAGS, ident, platform.machine()]
+    h.update("\0".join(flags).encode())
     return f"afa_native_{h.hexdigest()[:16]}.so"
+
+
+def _run_all(cmds: list[list[str]], timeout: float) -> list[tuple[int, str]]:
+    """Run the commands at once; (exit status, stderr + stdout) of each. Raises
+    ``RuntimeError`` when one cannot start or runs past ``timeout`` seconds (all
+    of them are then stopped)."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for cmd in cmds:
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            text = "\n".join(t.strip() for t in (err, out) if t.strip())
+            results.append((proc.returncode, text))
+        return results
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{cmds[0][0]} could not run: {exc}") from exc
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def build_library(
@@ -350,33 +380,42 @@ def build_library(
     """Compile the kernels (``csrc/*.c``, read in place) into a new library in
     ``directory`` (a fresh build, no cache lookup) and return its path. ``werror``
     adds ``-Werror``; ``extra_flags`` come last (e.g. :data:`SANITIZE_FLAGS`, or
-    ``-O0`` for a debugger). Raises ``RuntimeError`` with the compiler's whole
-    output when there is no compiler or it fails (nothing is left behind). Used
-    by :func:`native_kernels`, the tests and the benchmark (the cold compile
-    cost)."""
+    ``-O0`` for a debugger). The sources compile side by side (one compiler
+    process each), then link. Raises ``RuntimeError`` with the compiler's whole
+    output (every failing source's) when there is no compiler or it fails;
+    nothing is left behind. Used by :func:`native_kernels`, the tests and the
+    benchmark (the cold compile cost)."""
     cc = cc or _find_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-    sources = [str(p) for p in kernel_sources() if p.suffix == ".c"]
+    sources = [p for p in kernel_sources() if p.suffix == ".c"]
+    flags = build_flags(werror, extra_flags)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix="afa_native_", suffix=".so", dir=directory)
     os.close(fd)
-    cmd = [cc, *build_flags(werror, extra_flags), "-o", tmp, *sources]
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=300, check=False
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
+        with tempfile.TemporaryDirectory(prefix="afa_obj_", dir=directory) as objs:
+            objects = [str(Path(objs) / f"{src.stem}.o") for src in sources]
+            results = _run_all(
+                [[cc, *flags, "-c", "-o", o, str(src)]
+                 for src, o in zip(sources, objects)],
+                timeout=300,
+            )  # fmt: skip
+            if all(rc == 0 for rc, _ in results):
+                # the sanitizers' runtimes come in through the link
+                link = [f for f in flags if f.startswith("-fsanitize")]
+                cmd = [cc, *LDFLAGS, *link, "-o", tmp, *objects]
+                results = _run_all([cmd], timeout=300)
+            errors = [(rc, text) for rc, text in results if rc != 0]
+            if errors:
+                raise RuntimeError(
+                    f"{cc} failed (exit {errors[0][0]}) building the native kernels"
+                    f" from {CSRC_DIR}:\n" + "\n".join(text for _, text in errors)
+                )
+    except BaseException:
         os.unlink(tmp)
-        raise RuntimeError(f"{cc} could not run: {exc}") from exc
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        output = "\n".join(s.strip() for s in (proc.stderr, proc.stdout) if s.strip())
-        raise RuntimeError(
-            f"{cc} failed (exit {proc.returncode}) building the native kernels"
-            f" from {CSRC_DIR}:\n{output}"
-        )
+        raise
     return Path(tmp)
 
 

@@ -264,3 +264,17 @@ def test_cache_key_covers_every_source_header_and_the_compiler(tmp_path, monkeyp
     (copy / "afa_native.h").unlink()
     with pytest.raises(RuntimeError, match="sources missing"):
         native._library_name("cc 1")
+
+
+def test_library_missing_a_declared_function_is_refused(tmp_path):
+    """A library that lacks a function the header declares does not load: an
+    OSError names the function (the loader then rebuilds; load_library fails)."""
+    cc = _compiler()
+    stub = tmp_path / "stub.c"
+    stub.write_text("int afa_simd(void) { return 0; }\n")
+    lib = tmp_path / "stub.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(stub)], check=True)
+    with pytest.raises(OSError, match=r"no afa_\w+ \(declared in afa_native.h\)"):
+        NativeKernels(lib)
+    with pytest.raises(OSError, match="declared in afa_native.h"):
+        native.load_library(lib)

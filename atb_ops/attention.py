@@ -709,7 +709,7 @@ def _gqa_decode_group(
 def _native_decode(qop, coef, vsc, key_cache, value_cache, block_table, seq_lens,
                    hkv, layout):  # fmt: skip
     """The decode step by the native fused kernel
-    (:mod:`~ascend_fa.atb_ops.native_attention`), or None where it does not
+    (``atb_ops/csrc/gqa_decode.c``), or None where it does not
     apply: not int8 caches on the CPU, an NZ head that does not fill whole
     fractal columns, or the native kernels off."""
     if key_cache.dtype != torch.int8 or value_cache.dtype != torch.int8:

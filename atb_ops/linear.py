@@ -182,7 +182,7 @@ _NATIVE_IN = (torch.float16, torch.bfloat16, torch.float32)
 
 def _native_static_codes(x, scale, offset, div_mode) -> torch.Tensor | None:
     """:func:`static_codes` by the native kernel (the same codes, bit for bit:
-    :mod:`~ascend_fa.atb_ops.native_linear`) for contiguous CPU operands, else
+    ``atb_ops/csrc/linear.c``) for contiguous CPU operands, else
     None."""
     if x.device.type != "cpu" or x.dtype not in _NATIVE_IN or not x.is_contiguous():
         return None

@@ -1,50 +1,24 @@
-"""Native CPU kernels of the paged cache write (and the FP8 block dequantize),
-compiled on first use.
+"""Native CPU kernels (paged cache write, FP8 blocks, GQA decode, static W8A8
+epilogues), built from the C sources in ``csrc/`` on first use.
 
-The eager cache write quantizes in four fp32 passes and scatters in a fifth; per
-element that costs about ten times a copy of the int8 output. These kernels do the
-whole write of one token in one pass over its row: widen (fp16/bf16 -> fp32,
-exact), divide by the head's scale, round half to even, saturate to int8, and copy
-the row's 32-byte fractal runs (NZ) or the whole row (ND) to the slot. Float caches
-take the same scatter without the arithmetic.
-
-The codes are those of :func:`~ascend_fa.atb_ops.quant.quantize_per_head` bit for
-bit (the tests compare every fp16 and bf16 value under several scales):
-
-* the quotient is a true IEEE fp32 division (``divps`` / ``/``), never a product
-  with a reciprocal, so it is ``fl(x / s)`` exactly as torch forms it;
-* the quotient is clamped to ``[INT8_MIN, INT8_MAX]`` *before* rounding: the bounds
-  are integers and rounding is monotonic, so ``round(clamp(q)) ==
-  clamp(round(q))``; +-inf quotients land on the bounds;
-* rounding is half to even: on AVX2 machines ``cvtps2dq`` under the default MXCSR
-  (round to nearest even, checked per call; the two saturating packs clamp the
-  bottom) or ``roundps`` with ``_MM_FROUND_TO_NEAREST_INT`` where MXCSR rounds
-  otherwise, the ``ROUND_MAGIC`` add on the scalar path (all exact for
-  ``|q| <= 128``);
-* fp16 is widened by ``vcvtph2ps`` (F16C) or bit arithmetic with the subnormals
-  converted from their integer mantissa (exact; no reliance on denormal fp32
-  arithmetic, which a flush-to-zero mode would change); bf16 is its bits << 16.
-
-On AVX2 machines the codes go straight into the cache (an ND row at its slot; with
-``D % 32 == 0`` each 32 codes are one whole NZ fractal row) and the loop
-prefetches the rows ahead; the division stays a true ``divps``. On an AMD EPYC
-(Zen 1) core a product with the reciprocal plus a per-vector check for quotients
-next to a half-integer (the lanes where the product's code could differ)
-measured no faster than the division: the check costs the vector operations the
-division saved.
-
-The FP8 E4M3 block dequantize (:meth:`NativeKernels.fp8_dequantize`) likewise
-replaces six eager passes by one: decode the code exactly, one fp32 product with the
-block's ``scale_inv``, round to bf16 / fp16 to nearest even, and report the first
-NaN code or fp16 overflow the eager path would refuse.
-
-The library is plain C with no torch headers: it compiles in well under a second
-with the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``), is cached
-on disk under a name derived from the source, compiler and machine, and is loaded
-with :mod:`ctypes`. The AVX2 + F16C path is chosen at run time from the CPU's
-feature bits, so the cached file also runs on an older x86 CPU (scalar path). No
-compiler, a failed compile or ``ASCEND_FA_NATIVE=0`` leaves the eager torch path in
+The kernels are plain C with no torch headers (``csrc/*.c``; every exported
+function is declared once in ``csrc/afa_native.h``, and each source file says what
+its kernels compute and why they equal the eager torch path bit for bit). They
+compile in a few seconds with the system C compiler (``$CC``, else ``cc``, ``gcc``
+or ``clang``) into one shared library, cached on disk under a name derived from
+the sources, the flags, the compiler and the machine, and loaded with
+:mod:`ctypes`; the bindings' argument and return types are read from the header,
+so Python and C cannot disagree. The AVX2 + F16C path is chosen at run time from
+the CPU's feature bits, so the cached file also runs on an older x86 CPU (scalar
+path). No compiler, a failed compile (:attr:`NativeStatus.reason` holds the
+compiler's whole message) or ``ASCEND_FA_NATIVE=0`` leaves the eager torch path in
 use; :func:`native_status` says which path runs and why.
+
+The build passes ``-Wall -Wextra`` (and the tests build once more with
+``-Werror``: a warning fails CI, while a user's newer compiler that warns still
+gets the kernels); :func:`build_library` takes extra flags for a sanitizer or
+debugging build, and :func:`load_library` puts such a library in use. See
+``docs/developer/native-kernels.md``.
 """
 
 from __future__ import annotations
@@ -54,6 +28,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -61,23 +36,31 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
-from .native_attention import ATTENTION_SOURCE
-from .native_fp8 import FP8_SOURCE
-from .native_linear import LINEAR_SOURCE
 
 __all__ = [
     "NATIVE_ENV",
     "NATIVE_CACHE_ENV",
     "MAX_ROW_BYTES",
+    "CSRC_DIR",
+    "HEADER",
+    "CFLAGS",
+    "LDFLAGS",
+    "WERROR_FLAGS",
+    "SANITIZE_FLAGS",
     "NativeStatus",
+    "build_flags",
     "build_library",
+    "header_prototypes",
+    "kernel_sources",
+    "load_library",
     "native_disabled",
     "native_enabled",
     "native_status",
@@ -95,590 +78,144 @@ NATIVE_CACHE_ENV = "ASCEND_FA_NATIVE_CACHE"
 #: Widest token row (bytes of int8 codes) the kernel stages on its stack.
 MAX_ROW_BYTES = 65536
 
-#: Input dtype codes of ``afa_quant_write``.
-_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-_SOURCE = r"""
-#include <float.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* Every float operation below must round to fp32 on its own (no x87 excess
-   precision): a build where it would not fails here, and the eager path runs. */
-#if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
-#error "native kernels need FLT_EVAL_METHOD == 0 (fp32 arithmetic in fp32)"
-#endif
-
-#define ROW_MAX @ROW_MAX@
-#define ROUND_MAGIC @ROUND_MAGIC@f
-#define CODE_MIN @CODE_MIN@.0f
-#define CODE_MAX @CODE_MAX@.0f
-
-/* fp16 bits -> fp32, exact. Subnormals (e == 0) come from their integer mantissa
-   times 2^-24 (an exact product with a normal fp32 result), so no denormal fp32
-   value is ever formed. */
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    uint32_t bits;
-    if (e == 0) {
-        float sub = (float)m * 0x1p-24f;
-        memcpy(&bits, &sub, 4);
-    } else if (e == 31) {
-        bits = 0x7f800000u | (m << 13);
-    } else {
-        bits = ((e + 112u) << 23) | (m << 13);
-    }
-    bits |= sign;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline int64_t slot_at(const void *slots, int wide, int64_t t) {
-    return wide ? ((const int64_t *)slots)[t] : ((const int32_t *)slots)[t];
-}
-
-static inline float load1(const void *src, int dtype, int64_t i) {
-    if (dtype == 0) return f16_to_f32(((const uint16_t *)src)[i]);
-    if (dtype == 1) return bf16_to_f32(((const uint16_t *)src)[i]);
-    return ((const float *)src)[i];
-}
-
-/* One code: true division, clamp to the (integer) bounds, then round half to even
-   by the magic add (fp32 values in [2^23, 2^24) are integers). */
-static inline int8_t code1(float x, float s) {
-    float q = x / s;
-    q = q < CODE_MIN ? CODE_MIN : q;
-    q = q > CODE_MAX ? CODE_MAX : q;
-    float r = (q + ROUND_MAGIC) - ROUND_MAGIC;
-    return (int8_t)(int32_t)r;
-}
-
-static void quant_scalar(const void *src, int dtype, int64_t n, float s,
-                         int8_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = code1(load1(src, dtype, i), s);
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_X86 1
-
-__attribute__((target("avx2,f16c")))
-static inline __m256 load8(const void *src, int dtype, int64_t i) {
-    const __m128i *p = (const __m128i *)((const uint16_t *)src + i);
-    if (dtype == 0) return _mm256_cvtph_ps(_mm_loadu_si128(p));
-    if (dtype == 1) {
-        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-    }
-    return _mm256_loadu_ps((const float *)src + i);
-}
-
-__attribute__((target("avx2,f16c")))
-static inline __m256i codes8(__m256 x, __m256 s) {
-    __m256 q = _mm256_div_ps(x, s);
-    /* max/min return the bound for a NaN quotient (no defined code either way) */
-    q = _mm256_max_ps(q, _mm256_set1_ps(CODE_MIN));
-    q = _mm256_min_ps(q, _mm256_set1_ps(CODE_MAX));
-    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_cvttps_epi32(q);
-}
-
-/* The same codes in three vector operations instead of five, for a thread whose
-   MXCSR rounds to nearest even (checked per call, see rounds_to_nearest):
-   * min(CODE_MAX, q) caps the top; its operand order returns q for a NaN q;
-   * cvtps2dq rounds half to even under that MXCSR, and every quotient it cannot
-     represent (NaN, -inf, below -2^31) becomes INT32_MIN;
-   * the two saturating packs of the caller then cap the bottom at CODE_MIN.
-   So a quotient below -128 (or -inf) packs to -128 as clamp-then-round gives,
-   and NaN packs to -128 as codes8 gives (max returns the bound there); in between
-   rounding commutes with the integer clamp bounds. The true division stays. */
-__attribute__((target("avx2,f16c")))
-static inline __m256i codes8_rn(__m256 x, __m256 s) {
-    __m256 q = _mm256_div_ps(x, s);
-    q = _mm256_min_ps(_mm256_set1_ps(CODE_MAX), q);
-    return _mm256_cvtps_epi32(q);
-}
-
-/* x * r with r = RN(1 / s), then codes8_rn's cap and conversion: the division
-   replaced by a product (half the vector work on this loop). A product can round
-   to a different code than the quotient (x / s next to a half-integer), so this
-   only runs for a scale and 16-bit input dtype whose every one of the 65536 input
-   patterns product_exact found to give codes8_rn's code (lane by lane the same
-   instructions on the same value: equal on every input of that dtype). */
-__attribute__((target("avx2,f16c")))
-static inline __m256i codes8_mul(__m256 x, __m256 r) {
-    __m256 q = _mm256_mul_ps(x, r);
-    q = _mm256_min_ps(_mm256_set1_ps(CODE_MAX), q);
-    return _mm256_cvtps_epi32(q);
-}
-
-/* The 32 codes of src[i:i + 32] in order (mode 0: codes8, 1: codes8_rn, 2:
-   codes8_mul with s the reciprocal): four 8-lane conversions and the saturating
-   packs, which work per 128-bit lane; the permute puts the 8 dwords back in order. */
-__attribute__((target("avx2,f16c"), always_inline))
-static inline __m256i codes32(const void *src, int dtype, int64_t i, __m256 s,
-                              int mode) {
-    __m256i a, b, c, d;
-    if (mode == 2) {
-        a = codes8_mul(load8(src, dtype, i), s);
-        b = codes8_mul(load8(src, dtype, i + 8), s);
-        c = codes8_mul(load8(src, dtype, i + 16), s);
-        d = codes8_mul(load8(src, dtype, i + 24), s);
-    } else if (mode == 1) {
-        a = codes8_rn(load8(src, dtype, i), s);
-        b = codes8_rn(load8(src, dtype, i + 8), s);
-        c = codes8_rn(load8(src, dtype, i + 16), s);
-        d = codes8_rn(load8(src, dtype, i + 24), s);
-    } else {
-        a = codes8(load8(src, dtype, i), s);
-        b = codes8(load8(src, dtype, i + 8), s);
-        c = codes8(load8(src, dtype, i + 16), s);
-        d = codes8(load8(src, dtype, i + 24), s);
-    }
-    __m256i ab = _mm256_packs_epi32(a, b);
-    __m256i cd = _mm256_packs_epi32(c, d);
-    __m256i abcd = _mm256_packs_epi16(ab, cd);
-    return _mm256_permutevar8x32_epi32(
-        abcd, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-/* Elements ahead of the current position that the loop prefetches: the rows of
-   one call are contiguous in memory, so this fetches the next rows' lines while
-   the division of the current ones runs (the hardware prefetcher alone left the
-   loop waiting on memory; 4 KiB ahead measured best). */
-#define PREFETCH_AHEAD 2048
-
-/* The codes of src[0:n] under one scale: the 32 codes of element i go to
-   out + (i / 32) * ostride (ostride 32: contiguous; the NZ fractal-row stride:
-   straight into the cache). A tail (n % 32) needs ostride == 32; it takes the
-   scalar division. mode 0: codes8, 1: codes8_rn, 2: codes8_mul. */
-__attribute__((target("avx2,f16c"), always_inline))
-static inline void quant_avx2_impl(const void *src, int dtype, int64_t n,
-                                   float scale, int8_t *out, int64_t ostride,
-                                   int mode) {
-    __m256 s = _mm256_set1_ps(mode == 2 ? 1.0f / scale : scale);
-    int64_t es = dtype == 2 ? 4 : 2, i = 0;
-    for (; i + 32 <= n; i += 32) {
-        _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
-        if (es == 4)
-            _mm_prefetch((const char *)src + (i + PREFETCH_AHEAD) * es + 64,
-                         _MM_HINT_T0);
-        _mm256_storeu_si256((__m256i *)(out + (i / 32) * ostride),
-                            codes32(src, dtype, i, s, mode));
-    }
-    if (i < n) quant_scalar((const char *)src + i * es, dtype, n - i, scale,
-                            out + i);
-}
-
-/* One instance per input dtype and path, so the loop has no branch (mode 2 is
-   only ever chosen for the 16-bit dtypes). */
-__attribute__((target("avx2,f16c")))
-static void quant_avx2(const void *src, int dtype, int64_t n, float scale,
-                       int8_t *out, int64_t ostride, int mode) {
-    if (mode == 2) {
-        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 2);
-        else quant_avx2_impl(src, 1, n, scale, out, ostride, 2);
-    } else if (mode == 1) {
-        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 1);
-        else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 1);
-        else quant_avx2_impl(src, 2, n, scale, out, ostride, 1);
-    } else {
-        if (dtype == 0) quant_avx2_impl(src, 0, n, scale, out, ostride, 0);
-        else if (dtype == 1) quant_avx2_impl(src, 1, n, scale, out, ostride, 0);
-        else quant_avx2_impl(src, 2, n, scale, out, ostride, 0);
-    }
-}
-
-/* Every token of a write in one loop (D % 32 == 0, every head on the same path):
-   the 32 codes of chunk j of a token's row go to base + j * ostride (ND: the
-   row at its slot, ostride 32; NZ: fractal row j, ostride bs * 32). fac holds
-   each head's scale (modes 0, 1) or its reciprocal (mode 2), so the per-head
-   constant is formed once per call, not once per token and head. */
-__attribute__((target("avx2,f16c"), always_inline))
-static inline void rows_avx2_impl(const void *src, int dtype, int64_t T, int64_t H,
-                                  int64_t D, const float *fac, const void *slots,
-                                  int wide, int8_t *cache, int64_t bs, int64_t run,
-                                  int mode) {
-    int64_t w = H * D, es = dtype == 2 ? 4 : 2, n1 = w / 32;
-    int64_t ostride = run == 0 ? 32 : bs * 32;
-    for (int64_t t = 0; t < T; t++) {
-        int64_t slot = slot_at(slots, wide, t);
-        if (slot < 0) continue;
-        const char *x = (const char *)src + t * w * es;
-        int8_t *base;
-        if (run == 0) {
-            base = cache + slot * w;
-        } else {
-            int64_t blk = slot / bs;
-            base = cache + (blk * n1 * bs + (slot - blk * bs)) * 32;
-        }
-        for (int64_t h = 0; h < H; h++) {
-            __m256 f = _mm256_set1_ps(fac[h]);
-            const char *xh = x + h * D * es;
-            int8_t *oh = base + (h * D / 32) * ostride;
-            for (int64_t i = 0; i < D; i += 32) {
-                _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es, _MM_HINT_T0);
-                if (es == 4)
-                    _mm_prefetch(xh + (i + PREFETCH_AHEAD) * es + 64, _MM_HINT_T0);
-                _mm256_storeu_si256((__m256i *)(oh + (i / 32) * ostride),
-                                    codes32(xh, dtype, i, f, mode));
-            }
-        }
-    }
-}
-
-__attribute__((target("avx2,f16c")))
-static void rows_avx2(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
-                      const float *fac, const void *slots, int wide, int8_t *cache,
-                      int64_t bs, int64_t run, int mode) {
-#define ROWS(dt, m) \
-    rows_avx2_impl(src, dt, T, H, D, fac, slots, wide, cache, bs, run, m)
-    if (mode == 2) {
-        if (dtype == 0) ROWS(0, 2);
-        else ROWS(1, 2);
-    } else if (mode == 1) {
-        if (dtype == 0) ROWS(0, 1);
-        else if (dtype == 1) ROWS(1, 1);
-        else ROWS(2, 1);
-    } else {
-        if (dtype == 0) ROWS(0, 0);
-        else if (dtype == 1) ROWS(1, 0);
-        else ROWS(2, 0);
-    }
-#undef ROWS
-}
-
-/* Whether codes8_mul gives codes8_rn's code for every one of the 65536 bit
-   patterns of a 16-bit dtype (0 fp16, 1 bf16) under scale s: an exhaustive
-   comparison of the two kernel paths, about 0.1 ms, under the caller's MXCSR
-   (the default one, see product_mode). Random absmax / 127 scales pass about 995
-   times in 1000 (a failing one has an input whose quotient lies within the
-   product's rounding error of a half-integer); a scale that fails keeps the
-   division. */
-__attribute__((target("avx2,f16c")))
-static int product_exact(float s, int dtype) {
-    uint16_t pat[1024];
-    int8_t by_div[1024], by_mul[1024];
-    for (int32_t base = 0; base < 65536; base += 1024) {
-        for (int32_t i = 0; i < 1024; i++) pat[i] = (uint16_t)(base + i);
-        quant_avx2(pat, dtype, 1024, s, by_div, 32, 1);
-        quant_avx2(pat, dtype, 1024, s, by_mul, 32, 2);
-        if (memcmp(by_div, by_mul, 1024) != 0) return 0;
-    }
-    return 1;
-}
-
-/* Verdicts of product_exact by (scale bits, dtype), direct-mapped. An entry is
-   one 64-bit word (scale bits << 32 | dtype << 8 | verdict << 1 | 1) read and
-   written atomically, so concurrent callers see a whole entry or a miss. */
-#define EXACT_SLOTS 4096
-static uint64_t exact_cache[EXACT_SLOTS];
-
-__attribute__((target("avx2,f16c")))
-static int product_ok(float s, int dtype) {
-    uint32_t bits;
-    memcpy(&bits, &s, 4);
-    uint64_t key = ((uint64_t)bits << 32) | ((uint64_t)dtype << 8) | 1u;
-    uint32_t slot = ((bits * 2654435761u) >> 20 ^ (uint32_t)dtype) % EXACT_SLOTS;
-    uint64_t e = __atomic_load_n(&exact_cache[slot], __ATOMIC_RELAXED);
-    if ((e & ~(uint64_t)2) == key) return (int)((e >> 1) & 1);
-    int ok = product_exact(s, dtype);
-    __atomic_store_n(&exact_cache[slot], key | ((uint64_t)ok << 1), __ATOMIC_RELAXED);
-    return ok;
-}
-
-static int explicit_round = 0;
-static int use_product = 1;
-
-/* Whether codes8_rn may run: this thread's SSE rounding mode is round to nearest
-   even (MXCSR.RC == 0, the default; codes8 names its rounding instead), and the
-   tests have not asked for the codes8 path (afa_set_explicit_round). */
-static inline int rounds_to_nearest(void) {
-    return !explicit_round && (_mm_getcsr() & 0x6000u) == 0;
-}
-
-/* Whether codes8_mul may be considered: a 16-bit input dtype, the default MXCSR
-   (round to nearest, no flush-to-zero or denormals-are-zero, exceptions masked;
-   the status flags ignored) so that product_exact's verdicts, all taken under it,
-   hold, and not switched off (afa_set_product). */
-static inline int product_allowed(int dtype) {
-    return use_product && !explicit_round && dtype != 2 &&
-           (_mm_getcsr() & ~0x3fu) == 0x1f80u;
-}
-
-/* The path for one scale: 2 (product, verified), 1 (division, cvtps2dq) or 0. */
-__attribute__((target("avx2,f16c")))
-static inline int quant_mode(float s, int dtype, int rn, int product) {
-    if (product && product_ok(s, dtype)) return 2;
-    return rn;
-}
-#endif
-
-static int simd = -1;
-
-int afa_simd(void) {
-#ifdef HAVE_X86
-    if (simd < 0)
-        simd = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    return simd;
-#else
-    return 0;
-#endif
-}
-
-/* 1: AVX2 path when the CPU has it (the default), 0: the portable scalar path. */
-void afa_set_simd(int on) {
-    simd = -1;
-    if (on) afa_simd();
-    else simd = 0;
-}
-
-/* 1: the AVX2 path rounds by roundps + cvttps2dq whatever the MXCSR (what a
-   thread with another rounding mode runs), 0: by cvtps2dq where MXCSR allows. */
-void afa_set_explicit_round(int on) {
-#ifdef HAVE_X86
-    explicit_round = on != 0;
-#else
-    (void)on;
-#endif
-}
-
-/* 0: the AVX2 path always divides, 1: it multiplies by the reciprocal for the
-   scales product_exact verified (the default). */
-void afa_set_product(int on) {
-#ifdef HAVE_X86
-    use_product = on != 0;
-#else
-    (void)on;
-#endif
-}
-
-/* Whether the product path runs for scale s and 16-bit dtype (0 fp16, 1 bf16) on
-   this thread: -1 without AVX2, else 0 / 1 (the verdict, checked and cached). */
-int afa_product_exact(float s, int dtype) {
-#ifdef HAVE_X86
-    if (!afa_simd() || (dtype != 0 && dtype != 1)) return -1;
-    return quant_mode(s, dtype, rounds_to_nearest(), product_allowed(dtype)) == 2;
-#else
-    (void)s;
-    (void)dtype;
-    return -1;
-#endif
-}
-
-static void quant(const void *src, int dtype, int64_t n, float s, int8_t *out) {
-#ifdef HAVE_X86
-    if (afa_simd()) {
-        int rn = rounds_to_nearest();
-        quant_avx2(src, dtype, n, s, out, 32,
-                   quant_mode(s, dtype, rn, product_allowed(dtype)));
-        return;
-    }
-#endif
-    quant_scalar(src, dtype, n, s, out);
-}
-
-/* Copy one token row of row_bytes to slot: ND (run == 0) the whole row at
-   slot * row_bytes; NZ its row_bytes / run fractal rows of run bytes, row j of the
-   token at ((blk * n1 + j) * bs + r) * run. */
-static inline void put(uint8_t *cache, const uint8_t *row, int64_t slot,
-                       int64_t row_bytes, int64_t bs, int64_t run) {
-    if (run == 0) {
-        memcpy(cache + slot * row_bytes, row, (size_t)row_bytes);
-        return;
-    }
-    int64_t blk = slot / bs, r = slot - blk * bs, n1 = row_bytes / run;
-    uint8_t *base = cache + (blk * n1 * bs + r) * run;
-    int64_t stride = bs * run;
-    /* fixed sizes let the compiler inline the 32- and 64-byte copies */
-    if (run == 32) {
-        for (int64_t j = 0; j < n1; j++) memcpy(base + j * stride, row + j * 32, 32);
-    } else if (run == 64) {
-        for (int64_t j = 0; j < n1; j++) memcpy(base + j * stride, row + j * 64, 64);
-    } else {
-        for (int64_t j = 0; j < n1; j++)
-            memcpy(base + j * stride, row + j * run, (size_t)run);
-    }
-}
-
-/* src [T, H, D] (dtype 0 fp16, 1 bf16, 2 fp32), scale [H] fp32 -> int8 codes of
-   every token with slot >= 0 written to cache. On the AVX2 path the codes go
-   straight to the cache: an ND row is contiguous at its slot, and with D % 32 == 0
-   each 32 codes of an NZ row are one whole fractal row (C0 = 32 int8). Otherwise a
-   token's row is staged and put() copies it. */
-int afa_quant_write(const void *src, int dtype, int64_t T, int64_t H, int64_t D,
-                    const float *scale, const void *slots, int wide, int8_t *cache,
-                    int64_t bs, int64_t run) {
-    int8_t row[ROW_MAX];
-    int64_t w = H * D, es = dtype == 2 ? 4 : 2;
-    if (w > ROW_MAX) return -1;
-#ifdef HAVE_X86
-    if (afa_simd() && (run == 0 || (run == 32 && D % 32 == 0))) {
-        /* the path of each head's scale, chosen once per call (up to 256 heads;
-           more heads, a rare shape, keep the division) */
-        int rn = rounds_to_nearest(), mode[256], same = H <= 256;
-        float fac[256];
-        int product = H <= 256 && product_allowed(dtype);
-        for (int64_t h = 0; h < H && h < 256; h++) {
-            mode[h] = quant_mode(scale[h], dtype, rn, product);
-            fac[h] = mode[h] == 2 ? 1.0f / scale[h] : scale[h];
-            same = same && mode[h] == mode[0];
-        }
-        if (same && D % 32 == 0) {
-            rows_avx2(src, dtype, T, H, D, fac, slots, wide, cache, bs, run, mode[0]);
-            return 0;
-        }
-        for (int64_t t = 0; t < T; t++) {
-            int64_t s = slot_at(slots, wide, t);
-            if (s < 0) continue;
-            const char *x = (const char *)src + t * w * es;
-            if (run == 0) {
-                int8_t *dst = cache + s * w;
-                for (int64_t h = 0; h < H; h++)
-                    quant_avx2(x + h * D * es, dtype, D, scale[h], dst + h * D, 32,
-                               H <= 256 ? mode[h] : rn);
-            } else {
-                /* fractal row j of the token at ((blk * n1 + j) * bs + r) * 32 */
-                int64_t blk = s / bs, r = s - blk * bs, n1 = w / 32;
-                int8_t *base = cache + (blk * n1 * bs + r) * 32;
-                for (int64_t h = 0; h < H; h++)
-                    quant_avx2(x + h * D * es, dtype, D, scale[h],
-                               base + (h * D / 32) * bs * 32, bs * 32,
-                               H <= 256 ? mode[h] : rn);
-            }
-        }
-        return 0;
-    }
-#endif
-    for (int64_t t = 0; t < T; t++) {
-        int64_t s = slot_at(slots, wide, t);
-        if (s < 0) continue;
-        const char *x = (const char *)src + t * w * es;
-        for (int64_t h = 0; h < H; h++)
-            quant(x + h * D * es, dtype, D, scale[h], row + h * D);
-        put((uint8_t *)cache, (const uint8_t *)row, s, w, bs, run);
-    }
-    return 0;
-}
-
-/* The smallest slot that slots[0:n] lists twice (negative slots are padding and
-   skipped; every slot is < num_slots, validated before), -1 when none, -2 when
-   this does not decide (the caller sorts instead), -3 when out of memory.
-   A prefill hands out whole blocks: when every group of bs consecutive valid
-   entries is a run start, start + 1, ... with start a multiple of bs, two groups
-   collide exactly when they share a block, so one bit per block decides (and
-   the smallest repeated slot is the smallest shared block's first slot). Any
-   other pattern takes one bit per slot when num_slots <= max_bits. */
-int64_t afa_repeated_slot(const void *slots, int wide, int64_t n, int64_t num_slots,
-                          int64_t bs, int64_t max_bits) {
-    /* whole blocks: one bit per block, marked at each group's first slot; the
-       position in the group is counted, so only a group's first slot takes a
-       (slow, 64-bit) division */
-    uint8_t *seen = calloc((size_t)((num_slots + bs - 1) / bs / 8 + 1), 1);
-    if (seen == NULL) return -3;
-    int64_t pos = 0, start = 0, found = -1;
-    int runs = 1;
-    for (int64_t t = 0; t < n; t++) {
-        int64_t v = slot_at(slots, wide, t);
-        if (v < 0) continue;
-        if (pos == 0) {
-            if (v % bs != 0) {
-                runs = 0;
-                break;
-            }
-            start = v;
-            int64_t b = v / bs;
-            uint8_t bit = (uint8_t)(1u << (b & 7));
-            if (seen[b >> 3] & bit) {
-                if (found < 0 || v < found) found = v;
-            } else {
-                seen[b >> 3] |= bit;
-            }
-        } else if (v != start + pos) {
-            runs = 0;
-            break;
-        }
-        if (++pos == bs) pos = 0;
-    }
-    free(seen);
-    if (runs) return found;
-    if (num_slots > max_bits) return -2;
-    /* any other pattern: one bit per slot */
-    seen = calloc((size_t)(num_slots / 8 + 1), 1);
-    if (seen == NULL) return -3;
-    found = -1;
-    for (int64_t t = 0; t < n; t++) {
-        int64_t v = slot_at(slots, wide, t);
-        if (v < 0) continue;
-        uint8_t bit = (uint8_t)(1u << (v & 7));
-        if (seen[v >> 3] & bit) {
-            if (found < 0 || v < found) found = v;
-        } else {
-            seen[v >> 3] |= bit;
-        }
-    }
-    free(seen);
-    return found;
-}
-
-/* src [T, row_bytes] copied unchanged (float cache of the input's dtype). */
-int afa_copy_write(const void *src, int64_t T, int64_t row_bytes, const void *slots,
-                   int wide, uint8_t *cache, int64_t bs, int64_t run) {
-    for (int64_t t = 0; t < T; t++) {
-        int64_t s = slot_at(slots, wide, t);
-        if (s < 0) continue;
-        put(cache, (const uint8_t *)src + t * row_bytes, s, row_bytes, bs, run);
-    }
-    return 0;
-}
-
-/* The quantizer alone, for tests: src [n] -> out [n] with one scale. */
-void afa_quantize(const void *src, int dtype, int64_t n, float s, int8_t *out) {
-    quant(src, dtype, n, s, out);
-}
-"""
+#: The kernels' C sources (package data): ``*.c`` and the headers they include.
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+#: The one declaration of every exported function (the bindings are read from it).
+HEADER = CSRC_DIR / "afa_native.h"
 
 #: Optimisation only; no flag that relaxes IEEE semantics (no -ffast-math), and no
 #: contraction of a product and a sum into one FMA: the division, the products and
-#: the rounding must be the exact IEEE operations the eager path performs.
-_CFLAGS = (
+#: the rounding must be the exact IEEE operations the eager path performs. ``-g``
+#: costs nothing at run time and lets a debugger show the sources (kept on disk in
+#: ``csrc/``); ``-fvisibility=hidden`` exports only what the header marks AFA_API.
+CFLAGS = (
     "-O3",
+    "-g",
     "-fPIC",
-    "-shared",
     "-fno-fast-math",
     "-ffp-contract=off",
     "-std=gnu99",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wextra",
+)
+#: The link of the objects into one shared library.
+LDFLAGS = ("-shared",)
+#: Added by the tests' build (CI): any compiler warning fails it.
+WERROR_FLAGS = ("-Werror",)
+#: AddressSanitizer + UndefinedBehaviorSanitizer, every report fatal (the slow
+#: suite's sanitizer run; a later ``-O1`` overrides ``CFLAGS``' ``-O3``).
+SANITIZE_FLAGS = (
+    "-O1",
+    "-fsanitize=address,undefined",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
 )
 
+#: Input dtype codes of the kernels (``dtype`` arguments in afa_native.h).
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
-def _source() -> str:
+
+def _defines() -> tuple[str, ...]:
+    """The constants the C sources take from Python, as ``-D`` flags (the sources
+    refuse to build without them)."""
     return (
-        (_SOURCE + FP8_SOURCE + ATTENTION_SOURCE + LINEAR_SOURCE)
-        .replace("@ROW_MAX@", str(MAX_ROW_BYTES))
-        .replace("@ROUND_MAGIC@", repr(float(ROUND_MAGIC)))
-        .replace("@CODE_MIN@", str(INT8_MIN))
-        .replace("@CODE_MAX@", str(INT8_MAX))
+        f"-DAFA_ROW_MAX={MAX_ROW_BYTES}",
+        f"-DAFA_ROUND_MAGIC={float(ROUND_MAGIC)!r}f",
+        f"-DAFA_CODE_MIN={float(INT8_MIN)!r}f",
+        f"-DAFA_CODE_MAX={float(INT8_MAX)!r}f",
     )
+
+
+def build_flags(werror: bool = False, extra_flags: Sequence[str] = ()) -> list[str]:
+    """The compiler flags of a build: :data:`CFLAGS`, the ``-D`` constants, the
+    include directory, ``-Werror`` when ``werror``, then ``extra_flags`` (later
+    flags win, so ``-O0`` there makes a debug build)."""
+    return [
+        *CFLAGS,
+        *_defines(),
+        f"-I{CSRC_DIR}",
+        *(WERROR_FLAGS if werror else ()),
+        *extra_flags,
+    ]
+
+
+def kernel_sources() -> list[Path]:
+    """The files a build reads, sorted: every ``csrc/*.c`` (compiled) and
+    ``csrc/*.h`` (included); all of them enter the library's cache key."""
+    files = sorted([*CSRC_DIR.glob("*.c"), *CSRC_DIR.glob("*.h")])
+    if not any(f.suffix == ".c" for f in files) or not HEADER.is_file():
+        raise RuntimeError(f"native kernel sources missing from {CSRC_DIR}")
+    return files
+
+
+#: Scalar C types of afa_native.h and their ctypes (``void`` only as a result);
+#: every pointer is passed as ``c_void_p`` (the wrappers hand over data_ptr()).
+_C_SCALARS: dict[str, type | None] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+}
+_C_POINTEES = ("void", "int8_t", "uint8_t", "uint16_t", "int32_t", "float")
+_PROTO = re.compile(r"AFA_API (?P<ret>\w+) (?P<name>afa_\w+)\((?P<params>[^()]*)\)")
+_PARAM = re.compile(r"(?:const )?(?P<type>\w+) ?(?P<ptr>\*?) ?(?P<name>\w+)")
+
+
+def header_prototypes(text: str | None = None) -> dict[str, tuple[str, list[str]]]:
+    """The exported functions of ``afa_native.h`` (or ``text``): name -> (result
+    type, parameter types), each type a C scalar of :data:`_C_SCALARS` or
+    ``"pointer"``. Strict: anything in the header besides comments, preprocessor
+    lines and ``AFA_API`` prototypes of those types is a ``ValueError`` naming it
+    (the bindings must never guess)."""
+    if text is None:
+        text = HEADER.read_text(encoding="utf-8")
+    text = re.sub(r"/\*.*?\*/|//[^\n]*", " ", text, flags=re.S)
+    text = re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", " ", text, flags=re.M)
+    protos: dict[str, tuple[str, list[str]]] = {}
+    for decl in text.split(";"):
+        decl = " ".join(decl.replace("*", " * ").split())
+        decl = decl.replace("( ", "(").replace(" )", ")").replace(" (", "(")
+        if not decl:
+            continue
+        m = _PROTO.fullmatch(decl)
+        if m is None or m["ret"] not in _C_SCALARS:
+            raise ValueError(f"{HEADER.name}: not an AFA_API prototype: {decl!r}")
+        params: list[str] = []
+        if m["params"].strip() != "void":
+            for p in m["params"].split(","):
+                pm = _PARAM.fullmatch(p.strip())
+                ok = pm is not None and (
+                    pm["type"] in _C_POINTEES
+                    if pm["ptr"]
+                    else pm["type"] in _C_SCALARS and pm["type"] != "void"
+                )
+                if not ok:
+                    raise ValueError(
+                        f"{HEADER.name}: {m['name']}: unsupported parameter {p!r}"
+                    )
+                params.append("pointer" if pm["ptr"] else pm["type"])
+        if m["name"] in protos:
+            raise ValueError(f"{HEADER.name}: {m['name']} declared twice")
+        protos[m["name"]] = (m["ret"], params)
+    if not protos:
+        raise ValueError(f"{HEADER.name}: no AFA_API prototypes")
+    return protos
+
+
+def _ctype(c_type: str) -> type | None:
+    return ctypes.c_void_p if c_type == "pointer" else _C_SCALARS[c_type]
 
 
 @dataclass(frozen=True)
 class NativeStatus:
-    """Which cache-write path runs on CPU and why.
+    """Which path the native kernels' callers take on CPU and why.
 
     ``available``: the native library is loaded; ``compiler``: the C compiler used;
     ``compile_s``: seconds this process spent compiling it (0 when it was loaded
     from the disk cache, ``from_cache``); ``simd``: the AVX2 + F16C path is used;
-    ``reason``: why the eager path runs when not available."""
+    ``reason``: why the eager path runs when not available (a failed build's whole
+    compiler output)."""
 
     available: bool
     path: str | None = None
@@ -689,9 +226,11 @@ class NativeStatus:
     reason: str = ""
 
     def describe(self) -> str:
-        """One line for benchmark output."""
+        """One line for benchmark output (a multi-line reason: its first line)."""
         if not self.available:
-            return f"eager torch ({self.reason})"
+            lines = self.reason.splitlines() or [""]
+            more = " ..." if len(lines) > 1 else ""
+            return f"eager torch ({lines[0]}{more})"
         how = (
             "loaded from the disk cache"
             if self.from_cache
@@ -792,85 +331,116 @@ def _compiler_id(cc: str) -> str:
         return cc
 
 
-def build_library(directory: str | os.PathLike[str], cc: str | None = None) -> Path:
-    """Compile the kernels into ``directory`` (a fresh build, no cache lookup) and
-    return the library's path. Raises ``RuntimeError`` with the compiler's message
-    when there is no compiler or it fails. Used by :func:`native_kernels` and by the
-    benchmark to measure the cold compile cost."""
+def _library_name(ident: str) -> str:
+    """The cached library's file name: a hash of every source file (name and
+    bytes), the flags, the compiler's identity and the machine."""
+    h = hashlib.sha256()
+    for path in kernel_sources():
+        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        h.update(path.read_bytes())
+    flags = [*build_flags(), *LDFLAGS, ident, platform.machine()]
+    h.update("\0".join(flags).encode())
+    return f"afa_native_{h.hexdigest()[:16]}.so"
+
+
+def _run_all(cmds: list[list[str]], timeout: float) -> list[tuple[int, str]]:
+    """Run the commands at once; (exit status, stderr + stdout) of each. Raises
+    ``RuntimeError`` when one cannot start or runs past ``timeout`` seconds (all
+    of them are then stopped)."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for cmd in cmds:
+            procs.append(
+                subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        results = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            text = "\n".join(t.strip() for t in (err, out) if t.strip())
+            results.append((proc.returncode, text))
+        return results
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{cmds[0][0]} could not run: {exc}") from exc
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def build_library(
+    directory: str | os.PathLike[str],
+    cc: str | None = None,
+    *,
+    werror: bool = False,
+    extra_flags: Sequence[str] = (),
+) -> Path:
+    """Compile the kernels (``csrc/*.c``, read in place) into a new library in
+    ``directory`` (a fresh build, no cache lookup) and return its path. ``werror``
+    adds ``-Werror``; ``extra_flags`` come last (e.g. :data:`SANITIZE_FLAGS`, or
+    ``-O0`` for a debugger). The sources compile side by side (one compiler
+    process each), then link. Raises ``RuntimeError`` with the compiler's whole
+    output (every failing source's) when there is no compiler or it fails;
+    nothing is left behind. Used by :func:`native_kernels`, the tests and the
+    benchmark (the cold compile cost)."""
     cc = cc or _find_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+    sources = [p for p in kernel_sources() if p.suffix == ".c"]
+    flags = build_flags(werror, extra_flags)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    src = directory / f"afa_cache_write_{os.getpid()}_{threading.get_ident()}.c"
-    src.write_text(_source(), encoding="utf-8")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix="afa_native_", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        proc = subprocess.run(
-            [cc, *_CFLAGS, "-o", tmp, str(src)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    finally:
-        src.unlink(missing_ok=True)
-    if proc.returncode != 0:
+        with tempfile.TemporaryDirectory(prefix="afa_obj_", dir=directory) as objs:
+            objects = [str(Path(objs) / f"{src.stem}.o") for src in sources]
+            results = _run_all(
+                [[cc, *flags, "-c", "-o", o, str(src)]
+                 for src, o in zip(sources, objects)],
+                timeout=300,
+            )  # fmt: skip
+            if all(rc == 0 for rc, _ in results):
+                # the sanitizers' runtimes come in through the link
+                link = [f for f in flags if f.startswith("-fsanitize")]
+                cmd = [cc, *LDFLAGS, *link, "-o", tmp, *objects]
+                results = _run_all([cmd], timeout=300)
+            errors = [(rc, text) for rc, text in results if rc != 0]
+            if errors:
+                raise RuntimeError(
+                    f"{cc} failed (exit {errors[0][0]}) building the native kernels"
+                    f" from {CSRC_DIR}:\n" + "\n".join(text for _, text in errors)
+                )
+    except BaseException:
         os.unlink(tmp)
-        first = (proc.stderr or proc.stdout or "").strip().splitlines()
-        raise RuntimeError(
-            f"{cc} failed (exit {proc.returncode}): {first[0] if first else ''}"
-        )
+        raise
     return Path(tmp)
 
 
 class NativeKernels:
     """The loaded library with typed wrappers (pointers come from tensors the
-    caller has validated: contiguous, CPU, the dtypes named)."""
+    caller has validated: contiguous, CPU, the dtypes named). Every function's
+    ctypes argument and result types come from ``csrc/afa_native.h``
+    (:func:`header_prototypes`); only declared functions are reachable."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         lib = ctypes.CDLL(str(path))
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.afa_quant_write.argtypes = [
-            ptr, c_int, i64, i64, i64, ptr, ptr, c_int, ptr, i64, i64
-        ]  # fmt: skip
-        lib.afa_quant_write.restype = c_int
-        lib.afa_copy_write.argtypes = [ptr, i64, i64, ptr, c_int, ptr, i64, i64]
-        lib.afa_copy_write.restype = c_int
-        lib.afa_quantize.argtypes = [ptr, c_int, i64, ctypes.c_float, ptr]
-        lib.afa_quantize.restype = None
-        lib.afa_simd.restype = c_int
-        lib.afa_fp8_dequantize.argtypes = [
-            ptr, i64, i64, ptr, i64, i64, ptr, ptr, c_int
-        ]  # fmt: skip
-        lib.afa_fp8_dequantize.restype = i64
-        lib.afa_fp8_quantize.argtypes = [ptr, c_int, i64, i64, i64, i64, ptr, ptr]
-        lib.afa_fp8_quantize.restype = i64
-        lib.afa_fp8_e4m3.argtypes = [ptr, i64, ptr]
-        lib.afa_fp8_e4m3.restype = i64
-        lib.afa_repeated_slot.argtypes = [ptr, c_int, i64, i64, i64, i64]
-        lib.afa_repeated_slot.restype = i64
-        lib.afa_gqa_decode.argtypes = [
-            ptr, ptr, ptr, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64, i64, i64,
-            c_int, i64, i64, ptr,
-        ]  # fmt: skip
-        lib.afa_gqa_decode.restype = c_int
-        f32 = ctypes.c_float
-        lib.afa_static_codes.argtypes = [ptr, c_int, i64, f32, f32, c_int, ptr]
-        lib.afa_static_codes.restype = c_int
-        lib.afa_static_dequant.argtypes = [ptr, i64, i64, ptr, ptr, c_int, ptr]
-        lib.afa_static_dequant.restype = c_int
-        lib.afa_set_simd.argtypes = [c_int]
-        lib.afa_set_simd.restype = None
-        lib.afa_set_explicit_round.argtypes = [c_int]
-        lib.afa_set_explicit_round.restype = None
-        lib.afa_set_product.argtypes = [c_int]
-        lib.afa_set_product.restype = None
-        lib.afa_product_exact.argtypes = [ctypes.c_float, c_int]
-        lib.afa_product_exact.restype = c_int
-        self._lib = lib
-        self.simd = bool(lib.afa_simd())
+        fns = {}
+        for name, (ret, params) in header_prototypes().items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise OSError(
+                    f"{path}: no {name} (declared in {HEADER.name})"
+                ) from None
+            fn.restype = _ctype(ret)
+            fn.argtypes = [_ctype(p) for p in params]
+            fns[name] = fn
+        self._dll = lib
+        self._lib = types.SimpleNamespace(**fns)
+        self.simd = bool(self._lib.afa_simd())
 
     def set_simd(self, enabled: bool) -> bool:
         """Use the AVX2 + F16C path when the CPU has it (``True``, the default) or
@@ -1059,7 +629,7 @@ class NativeKernels:
         into contiguous fp32 ``out`` ``[B, H, D]`` (before the V scale); ``coef``
         ``[H]`` fp32 is the score factor.
         Returns 0 or the kernel's error code (see
-        :mod:`~ascend_fa.atb_ops.native_attention`)."""
+        ``atb_ops/csrc/gqa_decode.c``)."""
         _, h, d = q.shape
         bs = key_cache.shape[2] if nz else key_cache.shape[1]
         return int(
@@ -1090,7 +660,7 @@ class NativeKernels:
     ) -> torch.Tensor | None:
         """``static_codes`` of contiguous CPU ``x`` (fp16, bf16 or fp32) with fp32
         ``scale`` / ``offset``: int8 of ``x``'s shape, or None outside the default
-        float environment (see :mod:`~ascend_fa.atb_ops.native_linear`)."""
+        float environment (see ``atb_ops/csrc/linear.c``)."""
         out = torch.empty(x.shape, dtype=torch.int8)
         rc = self._lib.afa_static_codes(
             x.data_ptr(), _DTYPE_CODES[x.dtype], x.numel(), scale, offset,
@@ -1138,8 +708,11 @@ def _load() -> tuple[NativeKernels | None, NativeStatus]:
     if cc is None:
         return None, NativeStatus(False, reason="no C compiler ($CC, cc, gcc, clang)")
     ident = _compiler_id(cc)
-    key = "\n".join([_source(), ident, " ".join(_CFLAGS), platform.machine()])
-    name = f"afa_cache_write_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+    try:
+        header_prototypes()
+        name = _library_name(ident)
+    except (OSError, RuntimeError, ValueError) as exc:
+        return None, NativeStatus(False, compiler=ident, reason=str(exc))
     reason = ""
     for directory in _cache_dirs():
         unsafe = _private_dir(directory)
@@ -1180,6 +753,18 @@ def _loaded() -> tuple[NativeKernels | None, NativeStatus]:
         return _STATE["kernels"], _STATE["status"]  # type: ignore[return-value]
 
 
+def load_library(path: str | os.PathLike[str]) -> NativeStatus:
+    """Use the library at ``path`` (one :func:`build_library` made, e.g. with
+    :data:`SANITIZE_FLAGS` or ``-O0`` for a debugger) for the rest of this process
+    instead of the cached one; returns the new status. Raises ``OSError`` when it
+    cannot be loaded."""
+    kernels = NativeKernels(path)
+    status = NativeStatus(True, str(path), None, 0.0, False, kernels.simd)
+    with _LOCK:
+        _STATE["kernels"], _STATE["status"] = kernels, status
+    return status
+
+
 def native_kernels() -> NativeKernels | None:
     """The loaded kernels (built on the first call of the process), or None when
     disabled (``ASCEND_FA_NATIVE=0``) or unavailable."""
@@ -1189,7 +774,8 @@ def native_kernels() -> NativeKernels | None:
 
 
 def native_status() -> NativeStatus:
-    """Which path the CPU cache write takes (loads the kernels if enabled)."""
+    """Which path the native kernels' callers take (loads the kernels if
+    enabled)."""
     if not native_enabled():
         return NativeStatus(False, reason=f"{NATIVE_ENV}=0")
     return _loaded()[1]

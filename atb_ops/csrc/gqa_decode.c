@@ -1,43 +1,30 @@
-"""C source of the fused GQA decode over an int8 paged cache, compiled into the
-library of :mod:`ascend_fa.atb_ops.native` (appended to its source, whose
-``afa_simd`` it uses).
+/* Fused GQA decode over an int8 paged cache, of ascend_fa.atb_ops.attention.
 
-``afa_gqa_decode`` is one decode step of :func:`~ascend_fa.atb_ops.attention.
-paged_attention` for a range of sequences, straight from the cache's int8 codes:
-for each sequence, block by block (looked up through the block table, ND rows or
-NZ fractal runs), it widens 8 K rows of a KV head at a time to fp32 and forms its
-``g`` query heads' scores, takes each head's softmax, then accumulates ``P V``
-over the V rows in register tiles. The eager path instead copies every sequence's whole
-context into fp32 matrices first (four bytes written and read again per code)
-and runs two batched GEMMs of ``g`` rows each; here each code is read once, as a
-byte.
+   afa_gqa_decode is one decode step of paged_attention for a range of sequences,
+   straight from the cache's int8 codes: for each sequence, block by block (looked
+   up through the block table, ND rows or NZ fractal runs), it widens 8 K rows of a
+   KV head at a time to fp32 and forms its g query heads' scores, takes each head's
+   softmax, then accumulates P V over the V rows in register tiles. The eager path
+   instead copies every sequence's whole context into fp32 matrices first (four
+   bytes written and read again per code) and runs two batched GEMMs of g rows
+   each; here each code is read once, as a byte.
 
-Numerics, against the eager path (same operands: the fp32 query operand and
-score factor of ``_gqa_operands``):
+   Numerics, against the eager path (same operands: the fp32 query operand and
+   score factor of _gqa_operands):
+   * scores: the fp32 dot product of the query operand with the widened codes (FMA
+     accumulation, lanes then a fixed tree), times the head's factor. Where the
+     query operand holds integers (FAQuant) every partial sum is an integer below
+     2^24, so the scores are exact and equal the eager path's bit for bit;
+     otherwise they differ from the BLAS order by fp32 rounding only;
+   * softmax: exp(s - max) by a degree-6 polynomial after a Cody-Waite reduction
+     (about 1 ulp; inputs below -87.33 give 0, where the eager exp gives a
+     denormal below 1.2e-38), sum, times the sum's reciprocal;
+   * P V: fp32 FMA accumulation in token order (the eager GEMM's order differs).
 
-* scores: the fp32 dot product of the query operand with the widened codes (FMA
-  accumulation, lanes then a fixed tree), times the head's factor. Where the
-  query operand holds integers (FAQuant) every partial sum is an integer below
-  2**24, so the scores are exact and equal the eager path's bit for bit;
-  otherwise they differ from the BLAS order by fp32 rounding only;
-* softmax: ``exp(s - max)`` by a degree-6 polynomial after a Cody-Waite
-  reduction (about 1 ulp; inputs below -87.33 give 0, where the eager exp gives a
-  denormal below 1.2e-38), sum, times the sum's reciprocal;
-* ``P V``: fp32 FMA accumulation in token order (the eager GEMM's order differs).
+   So FAQuant scores are bit-equal and every output differs from the eager path
+   by fp32 rounding only (the tests hold both to the float64 reference's budget). */
+#include "afa_internal.h"
 
-So FAQuant scores are bit-equal and every output differs from the eager path by
-fp32 rounding only (the tests hold both to the float64 reference's budget).
-Returns 0, or a negative code the caller turns into its one-line error: -1 a
-length outside ``[1, table columns * BS]``, -2 a block id outside the cache, -3
-no memory for the scratch rows.
-"""
-
-from __future__ import annotations
-
-__all__ = ["ATTENTION_SOURCE"]
-
-ATTENTION_SOURCE = r"""
-/* -- GQA decode over an int8 paged cache -------------------------------------- */
 #define EXP_LO -87.33654f
 
 /* the largest of s[0..n), or NaN where one is NaN (the softmax then gives NaN,
@@ -84,8 +71,7 @@ static inline void widen_scalar(const int8_t *src, int64_t d, int64_t run_step,
 }
 
 #ifdef HAVE_X86
-__attribute__((target("avx2,fma")))
-static inline __m256 exp8(__m256 x) {
+static inline AFA_AVX2_FMA __m256 exp8(__m256 x) {
     __m256 lo = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
     __m256 xc = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
@@ -108,23 +94,21 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_blendv_ps(y, x, nan);
 }
 
-__attribute__((target("avx2,fma")))
-static inline __m256 codes_f8(const int8_t *p) {
+static inline AFA_AVX2_FMA __m256 codes_f8(const int8_t *p) {
     __m128i b = _mm_loadl_epi64((const __m128i *)p);
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 /* d % 8 == 0 (and d % 32 == 0 for NZ, whose 32-code runs hold whole vectors) */
-__attribute__((target("avx2,fma")))
-static void widen8(const int8_t *src, int64_t d, int64_t run_step, float *dst) {
+static AFA_AVX2_FMA void widen8(const int8_t *src, int64_t d, int64_t run_step,
+                                float *dst) {
     for (int64_t i = 0; i < d; i += 8) {
         const int8_t *p = run_step ? src + (i / 32) * run_step + i % 32 : src + i;
         _mm256_storeu_ps(dst + i, codes_f8(p));
     }
 }
 
-__attribute__((target("avx2,fma")))
-static inline float dot8(const float *a, const float *b, int64_t d) {
+static inline AFA_AVX2_FMA float dot8(const float *a, const float *b, int64_t d) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
@@ -134,8 +118,7 @@ static inline float dot8(const float *a, const float *b, int64_t d) {
     return _mm_cvtss_f32(s);
 }
 
-__attribute__((target("avx2,fma")))
-static void softmax8(float *s, int64_t n) {
+static AFA_AVX2_FMA void softmax8(float *s, int64_t n) {
     float m = row_max(s, n);
     __m256 mv = _mm256_set1_ps(m), sum = _mm256_setzero_ps();
     int64_t l = 0;
@@ -183,9 +166,9 @@ static inline void axpy_scalar(float a, const float *x, float *y, int64_t d) {
 typedef struct {
     const int8_t *kc, *vc;
     int64_t kstride, vstride, nblocks, bs, hkv, d, nz;
-    int64_t row_step;  /* bytes from a token's row to the next one's in a block */
-    int64_t run_step;  /* NZ: bytes from a 32-code run to the next (BS * 32) */
-    const int32_t *table;  /* the sequence's block-table row */
+    int64_t row_step;     /* bytes from a token's row to the next one's in a block */
+    int64_t run_step;     /* NZ: bytes from a 32-code run to the next (BS * 32) */
+    const int32_t *table; /* the sequence's block-table row */
 } PagedCache;
 
 /* offset of KV head ``kvh``'s first code in a token's row */
@@ -243,8 +226,7 @@ static void pv_scalar(const PagedCache *c, const float *p, int64_t n, int64_t g,
 
 #ifdef HAVE_X86
 /* the sums of a[0..7]'s lanes, as one vector (lane r: the sum of a[r]) */
-__attribute__((target("avx2,fma")))
-static inline __m256 sum8x8(const __m256 *a) {
+static inline AFA_AVX2_FMA __m256 sum8x8(const __m256 *a) {
     __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
     __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
     t0 = _mm256_hadd_ps(t0, t1);
@@ -254,9 +236,9 @@ static inline __m256 sum8x8(const __m256 *a) {
 }
 
 /* scores of 8 consecutive tokens (widened rows in tmp [8, d]) for g heads */
-__attribute__((target("avx2,fma")))
-static void scores_rows8(const float *q, const float *coef, const float *tmp,
-                         int64_t g, int64_t d, int64_t n, float *s) {
+static AFA_AVX2_FMA void scores_rows8(const float *q, const float *coef,
+                                      const float *tmp, int64_t g, int64_t d, int64_t n,
+                                      float *s) {
     for (int64_t j = 0; j < g; j++) {
         __m256 acc[8];
         for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
@@ -277,9 +259,9 @@ static inline void prefetch_rows(const int8_t *p, int64_t bytes) {
 }
 
 /* block by block (each block's rows read front to back, all heads together) */
-__attribute__((target("avx2,fma")))
-static void scores_vec(const PagedCache *c, const float *q, const float *coef,
-                       int64_t n, int64_t g, float *s, float *tmp) {
+static AFA_AVX2_FMA void scores_vec(const PagedCache *c, const float *q,
+                                    const float *coef, int64_t n, int64_t g, float *s,
+                                    float *tmp) {
     int64_t d = c->d, step = c->nz ? c->run_step : 0;
     for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
         int64_t blk = c->table[l0 / c->bs], rows = min64(c->bs, n - l0);
@@ -309,9 +291,8 @@ static void scores_vec(const PagedCache *c, const float *q, const float *coef,
 
 /* acc (8 vectors: heads p[0..3] x 16 columns) += P . V over ``rows`` tokens from
    ``col`` (the block's first token, at the tile's first column) */
-__attribute__((target("avx2,fma")))
-static void pv_tile(const float *const *p, const int8_t *col, int64_t row_step,
-                    int64_t rows, __m256 *acc) {
+static AFA_AVX2_FMA void pv_tile(const float *const *p, const int8_t *col,
+                                 int64_t row_step, int64_t rows, __m256 *acc) {
     for (int64_t t = 0; t < rows; t++) {
         const int8_t *src = col + t * row_step;
         __m256 v0 = codes_f8(src), v1 = codes_f8(src + 8);
@@ -327,9 +308,8 @@ static void pv_tile(const float *const *p, const int8_t *col, int64_t row_step,
    registers through a block's tokens and kept in ``out`` between blocks (an
    exact store and load: the sums run in token order). Heads go by 4; a missing
    head reads ``zero`` probabilities and writes to ``sink``. */
-__attribute__((target("avx2,fma")))
-static void pv_vec(const PagedCache *c, const float *p, int64_t n, int64_t g,
-                   const float *zero, float *sink, float *out) {
+static AFA_AVX2_FMA void pv_vec(const PagedCache *c, const float *p, int64_t n,
+                                int64_t g, const float *zero, float *sink, float *out) {
     int64_t d = c->d, step = c->nz ? c->run_step : 0;
     memset(out, 0, (size_t)(c->hkv * g * d) * sizeof(float));
     for (int64_t l0 = 0; l0 < n; l0 += c->bs) {
@@ -349,8 +329,8 @@ static void pv_vec(const PagedCache *c, const float *p, int64_t n, int64_t g,
                     dst[jj] = ok ? out + j * d : sink;
                 }
                 for (int64_t i0 = 0; i0 < d; i0 += 16) {
-                    const int8_t *col = step ? base + (i0 / 32) * step + i0 % 32
-                                             : base + i0;
+                    const int8_t *col =
+                        step ? base + (i0 / 32) * step + i0 % 32 : base + i0;
                     __m256 acc[8];
                     for (int jj = 0; jj < 4; jj++) {
                         acc[2 * jj] = _mm256_loadu_ps(dst[jj] + i0);
@@ -370,9 +350,8 @@ static void pv_vec(const PagedCache *c, const float *p, int64_t n, int64_t g,
 
 /* One sequence: out [H, D] (before the V scale) from q [H, D]. scratch: H * lmax
    scores, lmax zeros, 8 * D widened rows, then D sink floats. */
-static int gqa_seq(const PagedCache *c, const float *q, const float *coef,
-                   int64_t n, int64_t g, int64_t lmax, float *scratch, float *out,
-                   int vec) {
+static int gqa_seq(const PagedCache *c, const float *q, const float *coef, int64_t n,
+                   int64_t g, int64_t lmax, float *scratch, float *out, int vec) {
     int rc = check_blocks(c, n);
     if (rc) return rc;
     int64_t h = c->hkv * g;
@@ -398,11 +377,11 @@ static int gqa_seq(const PagedCache *c, const float *q, const float *coef,
    H, D] fp32 (before the V scale); caches int8, block ``i`` at ``i * stride``
    (ND: [BS, hkv * D] rows; NZ: hkv * D / 32 runs of [BS, 32]); table int32 [B,
    tcols]; lens int32 [B]. */
-int afa_gqa_decode(const float *q, const float *coef, const int8_t *kc,
-                   int64_t kstride, const int8_t *vc, int64_t vstride,
-                   int64_t nblocks, int64_t bs, const int32_t *table, int64_t tcols,
-                   const int32_t *lens, int64_t hkv, int64_t h, int64_t d, int nz,
-                   int64_t b0, int64_t b1, float *out) {
+int afa_gqa_decode(const float *q, const float *coef, const int8_t *kc, int64_t kstride,
+                   const int8_t *vc, int64_t vstride, int64_t nblocks, int64_t bs,
+                   const int32_t *table, int64_t tcols, const int32_t *lens,
+                   int64_t hkv, int64_t h, int64_t d, int nz, int64_t b0, int64_t b1,
+                   float *out) {
     int64_t g = h / hkv, lmax = tcols * bs;
     int vec = 0;
 #ifdef HAVE_X86
@@ -413,13 +392,25 @@ int afa_gqa_decode(const float *q, const float *coef, const int8_t *kc,
     int rc = 0;
     for (int64_t b = b0; b < b1 && rc == 0; b++) {
         int64_t n = lens[b];
-        if (n < 1 || n > lmax) { rc = -1; break; }
-        PagedCache c = {kc, vc, kstride, vstride, nblocks, bs, hkv, d, nz,
-                        nz ? 32 : hkv * d, bs * 32, table + b * tcols};
-        rc = gqa_seq(&c, q + b * h * d, coef, n, g, lmax, scratch, out + b * h * d,
-                     vec);
+        if (n < 1 || n > lmax) {
+            rc = -1;
+            break;
+        }
+        PagedCache c = {.kc = kc,
+                        .vc = vc,
+                        .kstride = kstride,
+                        .vstride = vstride,
+                        .nblocks = nblocks,
+                        .bs = bs,
+                        .hkv = hkv,
+                        .d = d,
+                        .nz = nz,
+                        .row_step = nz ? 32 : hkv * d,
+                        .run_step = bs * 32,
+                        .table = table + b * tcols};
+        rc =
+            gqa_seq(&c, q + b * h * d, coef, n, g, lmax, scratch, out + b * h * d, vec);
     }
     free(scratch);
     return rc;
 }
-"""

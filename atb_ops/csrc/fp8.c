@@ -1,21 +1,17 @@
-"""C source of the FP8 E4M3 block kernels, compiled into the library of
-:mod:`ascend_fa.atb_ops.native` (appended to its source, whose helpers it uses:
-``load1`` / ``load8`` widening, ``f16_to_f32``, ``afa_simd``).
+/* FP8 E4M3 block kernels of ascend_fa.fp8 (DeepSeek's 128 x 128 block weights).
 
-* ``afa_fp8_dequantize``: codes x block ``scale_inv`` -> bf16 / fp16 in one pass;
-* ``afa_fp8_quantize``: per block ``scale_inv = max(amax(|W|) / 448, tiny)`` and
-  the codes ``(W / scale_inv).to(float8_e4m3fn)`` in one pass over each block
-  (the eager path takes five torch passes and torch's scalar fp8 cast, about 7 ns
-  per element on CPU);
-* ``afa_fp8_e4m3``: the fp32 -> E4M3 conversion alone (tests sweep it against
-  torch's cast).
+   * afa_fp8_dequantize: codes x block scale_inv -> bf16 / fp16 in one pass (the
+     eager path takes six);
+   * afa_fp8_quantize: per block scale_inv = max(amax(|W|) / 448, tiny) and the
+     codes (W / scale_inv).to(float8_e4m3fn) in one pass over each block (the
+     eager path takes five torch passes and torch's scalar fp8 cast, about 7 ns
+     per element on CPU);
+   * afa_fp8_e4m3: the fp32 -> E4M3 conversion alone (tests sweep it against
+     torch's cast).
 
-Every result equals the eager torch path bit for bit; the tests compare them.
-"""
+   Every result equals the eager torch path bit for bit; the tests compare them. */
+#include "afa_internal.h"
 
-__all__ = ["FP8_SOURCE"]
-
-FP8_SOURCE = r"""
 /* -- FP8 E4M3 block dequantize ---------------------------------------------------
    out[i, j] = to_dtype(fl32(value(codes[i, j]) * scale[i / br, j / bc])), the eager
    ``(codes.float() * scale_inv).to(dtype)``. The E4M3 value is exact in fp32 (lut,
@@ -25,16 +21,9 @@ FP8_SOURCE = r"""
    c10's round_to_nearest_even, fp16: vcvtps2ph with RN). Returns -1, or 2 * k for
    the first NaN code at flat index k (row-major; stops there), or 2 * k + 1 for the
    first fp16 result that is not finite, or -3 when fp16 output needs F16C. */
-static inline uint16_t bf16_rne(float y) {
-    uint32_t b;
-    memcpy(&b, &y, 4);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
 static int64_t fp8_scalar(const uint8_t *codes, int64_t r, int64_t n,
-                          const float *scale, int64_t br, int64_t bc,
-                          const float *lut, uint16_t *out, int kind) {
+                          const float *scale, int64_t br, int64_t bc, const float *lut,
+                          uint16_t *out, int kind) {
     if (kind != 0) return -3;
     int64_t nbc = (n + bc - 1) / bc;
     for (int64_t i = 0; i < r; i++) {
@@ -50,8 +39,7 @@ static int64_t fp8_scalar(const uint8_t *codes, int64_t r, int64_t n,
 }
 
 #ifdef HAVE_X86
-__attribute__((target("avx2,f16c")))
-static inline __m256 e4m3x8(__m128i bytes8) {
+static inline AFA_AVX2 __m256 e4m3x8(__m128i bytes8) {
     /* sign-extend, << 7: bit 15 sign, bit 14 sign again (cleared), 13..7 the code's
        exponent and mantissa -> fp16 of value / 2^8 */
     __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(bytes8), 7);
@@ -61,8 +49,7 @@ static inline __m256 e4m3x8(__m128i bytes8) {
 
 /* bf16 bits of y, round to nearest even (y never NaN here: NaN codes are refused
    first and the scales are finite), on 8 lanes. */
-__attribute__((target("avx2,f16c")))
-static inline __m256i bf16_rne8(__m256 y) {
+static inline AFA_AVX2 __m256i bf16_rne8(__m256 y) {
     __m256i w = _mm256_castps_si256(y);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16), _mm256_set1_epi32(1));
     w = _mm256_add_epi32(w, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
@@ -74,9 +61,8 @@ static inline __m256i bf16_rne8(__m256 y) {
    checked by the caller) is the exact real value * sc, rounded once: the same fp32
    product as value * sc. Returns where it stopped: at end's last 16-multiple or
    before the first group holding a NaN code (the 8-lane loop then names it). */
-__attribute__((target("avx2,f16c")))
-static int64_t bf16x16(const uint8_t *c, uint16_t *o, int64_t j, int64_t end,
-                       float sc256) {
+static AFA_AVX2 int64_t bf16x16(const uint8_t *c, uint16_t *o, int64_t j, int64_t end,
+                                float sc256) {
     const __m128i low7 = _mm_set1_epi8(0x7f), keep = _mm_set1_epi16((short)0xBFFF);
     const __m256 s = _mm256_set1_ps(sc256);
     for (; j + 16 <= end; j += 16) {
@@ -94,10 +80,9 @@ static int64_t bf16x16(const uint8_t *c, uint16_t *o, int64_t j, int64_t end,
     return j;
 }
 
-__attribute__((target("avx2,f16c")))
-static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
-                        const float *scale, int64_t br, int64_t bc,
-                        const float *lut, uint16_t *out, int kind) {
+static AFA_AVX2 int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
+                                 const float *scale, int64_t br, int64_t bc,
+                                 const float *lut, uint16_t *out, int kind) {
     int64_t nbc = (n + bc - 1) / bc;
     const __m128i low7 = _mm_set1_epi8(0x7f);
     for (int64_t i = 0; i < r; i++) {
@@ -113,8 +98,9 @@ static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
                 j = bf16x16(c, o, j, end, sc * 256.0f);
             for (; j + 8 <= end; j += 8) {
                 __m128i b = _mm_loadl_epi64((const __m128i *)(c + j));
-                int nan = _mm_movemask_epi8(
-                    _mm_cmpeq_epi8(_mm_and_si128(b, low7), low7)) & 0xff;
+                int nan =
+                    _mm_movemask_epi8(_mm_cmpeq_epi8(_mm_and_si128(b, low7), low7)) &
+                    0xff;
                 if (nan) return 2 * (i * n + j + __builtin_ctz(nan));
                 __m256 y = _mm256_mul_ps(e4m3x8(b), s);
                 __m128i packed;
@@ -122,16 +108,16 @@ static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
                     __m256i w = _mm256_castps_si256(y);
                     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(w, 16),
                                                    _mm256_set1_epi32(1));
-                    w = _mm256_add_epi32(w, _mm256_add_epi32(
-                        odd, _mm256_set1_epi32(0x7fff)));
+                    w = _mm256_add_epi32(
+                        w, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
                     w = _mm256_srli_epi32(w, 16);
                     packed = _mm_packus_epi32(_mm256_castsi256_si128(w),
                                               _mm256_extracti128_si256(w, 1));
                 } else {
                     packed = _mm256_cvtps_ph(y, _MM_FROUND_TO_NEAREST_INT);
                     __m128i ex = _mm_and_si128(packed, _mm_set1_epi16(0x7c00));
-                    int inf = _mm_movemask_epi8(
-                        _mm_cmpeq_epi16(ex, _mm_set1_epi16(0x7c00)));
+                    int inf =
+                        _mm_movemask_epi8(_mm_cmpeq_epi16(ex, _mm_set1_epi16(0x7c00)));
                     if (inf) return 2 * (i * n + j + __builtin_ctz(inf) / 2) + 1;
                 }
                 _mm_storeu_si128((__m128i *)(o + j), packed);
@@ -153,8 +139,8 @@ static int64_t fp8_avx2(const uint8_t *codes, int64_t r, int64_t n,
 #endif
 
 int64_t afa_fp8_dequantize(const uint8_t *codes, int64_t r, int64_t n,
-                           const float *scale, int64_t br, int64_t bc,
-                           const float *lut, uint16_t *out, int kind) {
+                           const float *scale, int64_t br, int64_t bc, const float *lut,
+                           uint16_t *out, int kind) {
 #ifdef HAVE_X86
     if (afa_simd()) return fp8_avx2(codes, r, n, scale, br, bc, lut, out, kind);
 #endif
@@ -177,8 +163,8 @@ int64_t afa_fp8_dequantize(const uint8_t *codes, int64_t r, int64_t n,
      exponent is the correct rounding up).
    The sign bit is copied. The addition needs round-to-nearest without
    denormals-are-zero: the kernels check MXCSR per call. */
-#define E4M3_NAN_FROM 0x7f800001u   /* the first NaN pattern */
-#define E4M3_SAT_ABOVE 0x43e80000u  /* 464.0f */
+#define E4M3_NAN_FROM 0x7f800001u    /* the first NaN pattern */
+#define E4M3_SAT_ABOVE 0x43e80000u   /* 464.0f */
 #define E4M3_NORMAL_FROM 0x3c800000u /* 2^-6 */
 #define E4M3_DENORM_BASE 0x46800000u /* 2^14 */
 #define E4M3_REBASE 0xc407ffffu      /* ((7 - 127) << 23) + 0x7ffff, mod 2^32 */
@@ -222,16 +208,6 @@ static inline float bits_value(uint32_t bits, int dtype) {
     return f;
 }
 
-/* Whether this thread's float environment is the default one the kernels'
-   exactness argument needs (x86: MXCSR round to nearest, no FTZ / DAZ). */
-static inline int default_fenv(void) {
-#ifdef HAVE_X86
-    return (_mm_getcsr() & ~0x3fu) == 0x1f80u;
-#else
-    return 1;
-#endif
-}
-
 static uint32_t amax_scalar(const void *src, int dtype, int64_t n, int64_t i0,
                             int64_t i1, int64_t j0, int64_t j1) {
     uint32_t m = 0;
@@ -243,9 +219,8 @@ static uint32_t amax_scalar(const void *src, int dtype, int64_t n, int64_t i0,
     return m;
 }
 
-static void codes_scalar(const void *src, int dtype, int64_t n, int64_t i0,
-                         int64_t i1, int64_t j0, int64_t j1, float s,
-                         uint8_t *out) {
+static void codes_scalar(const void *src, int dtype, int64_t n, int64_t i0, int64_t i1,
+                         int64_t j0, int64_t j1, float s, uint8_t *out) {
     for (int64_t i = i0; i < i1; i++)
         for (int64_t j = j0; j < j1; j++)
             out[i * n + j] = e4m3_rne(load1(src, dtype, i * n + j) / s);
@@ -253,8 +228,7 @@ static void codes_scalar(const void *src, int dtype, int64_t n, int64_t i0,
 
 #ifdef HAVE_X86
 /* e4m3_rne on 8 lanes (both roundings formed, the lane's case selected). */
-__attribute__((target("avx2,f16c")))
-static inline __m256i e4m3_rne8(__m256 q) {
+static inline AFA_AVX2 __m256i e4m3_rne8(__m256 q) {
     __m256i b = _mm256_castps_si256(q);
     __m256i sign = _mm256_and_si256(b, _mm256_set1_epi32((int)0x80000000u));
     __m256i a = _mm256_xor_si256(b, sign);
@@ -277,9 +251,8 @@ static inline __m256i e4m3_rne8(__m256 q) {
 
 /* amax of |bits| over rows i0..i1, columns j0..j1 (j1 - j0 a multiple of 16 for
    the 16-bit dtypes, of 8 for fp32). */
-__attribute__((target("avx2,f16c")))
-static uint32_t amax_avx2(const void *src, int dtype, int64_t n, int64_t i0,
-                          int64_t i1, int64_t j0, int64_t j1) {
+static AFA_AVX2 uint32_t amax_avx2(const void *src, int dtype, int64_t n, int64_t i0,
+                                   int64_t i1, int64_t j0, int64_t j1) {
     __m256i m = _mm256_setzero_si256();
     if (dtype == 2) {
         const __m256i mask = _mm256_set1_epi32(0x7fffffff);
@@ -312,10 +285,9 @@ static uint32_t amax_avx2(const void *src, int dtype, int64_t n, int64_t i0,
 /* codes of rows i0..i1, columns j0..j1 (j1 - j0 a multiple of 32): the true
    division, e4m3_rne8, the packs (values 0..255 pass the unsigned saturation
    unchanged) and the permute that restores the order the per-lane packs mix. */
-__attribute__((target("avx2,f16c")))
-static void codes_avx2(const void *src, int dtype, int64_t n, int64_t i0,
-                       int64_t i1, int64_t j0, int64_t j1, float scale,
-                       uint8_t *out) {
+static AFA_AVX2 void codes_avx2(const void *src, int dtype, int64_t n, int64_t i0,
+                                int64_t i1, int64_t j0, int64_t j1, float scale,
+                                uint8_t *out) {
     const __m256 s = _mm256_set1_ps(scale);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t i = i0; i < i1; i++) {
@@ -349,8 +321,8 @@ static uint32_t block_amax(const void *src, int dtype, int64_t n, int64_t i0,
     return amax_scalar(src, dtype, n, i0, i1, j0, j1);
 }
 
-static void block_codes(const void *src, int dtype, int64_t n, int64_t i0,
-                        int64_t i1, int64_t j0, int64_t j1, float s, uint8_t *out) {
+static void block_codes(const void *src, int dtype, int64_t n, int64_t i0, int64_t i1,
+                        int64_t j0, int64_t j1, float s, uint8_t *out) {
 #ifdef HAVE_X86
     int64_t jv = j0 + (j1 - j0) / 32 * 32;
     if (afa_simd() && jv > j0) {
@@ -368,8 +340,8 @@ static void block_codes(const void *src, int dtype, int64_t n, int64_t i0,
    eager rule. Returns -1, or the flat index bi * nbc + bj of the first block
    (row-major) holding inf or NaN (its scale and codes are not written), or -2
    when the float environment is not the default one (nothing written). */
-int64_t afa_fp8_quantize(const void *src, int dtype, int64_t r, int64_t n,
-                         int64_t br, int64_t bc, float *scale, uint8_t *codes) {
+int64_t afa_fp8_quantize(const void *src, int dtype, int64_t r, int64_t n, int64_t br,
+                         int64_t bc, float *scale, uint8_t *codes) {
     if (!default_fenv()) return -2;
     int64_t nbr = (r + br - 1) / br, nbc = (n + bc - 1) / bc;
     for (int64_t bi = 0; bi < nbr; bi++) {
@@ -391,8 +363,7 @@ int64_t afa_fp8_quantize(const void *src, int dtype, int64_t r, int64_t n,
    whole groups of 8 when it is in use). Returns -2 (nothing written) outside the
    default float environment. */
 #ifdef HAVE_X86
-__attribute__((target("avx2,f16c")))
-static int64_t e4m3_avx2(const float *x, int64_t n, uint8_t *out) {
+static AFA_AVX2 int64_t e4m3_avx2(const float *x, int64_t n, uint8_t *out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         uint32_t lanes[8];
@@ -412,4 +383,3 @@ int64_t afa_fp8_e4m3(const float *x, int64_t n, uint8_t *out) {
     for (; i < n; i++) out[i] = e4m3_rne(x[i]);
     return -1;
 }
-"""

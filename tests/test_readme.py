@@ -1,4 +1,5 @@
-"""The README is executed: every shell and Python snippet runs (a stale one fails).
+"""The README and the docs are executed: every shell and Python snippet of
+``README.md`` and of every ``docs/**/*.md`` page runs (a stale one fails).
 
 A fenced block tagged ``bash`` or ``python`` is a snippet. The HTML comment on the
 line before it, if any, says how it is checked:
@@ -29,14 +30,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: Every page whose snippets run: the README, then the docs site's pages.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARK = re.compile(r"^<!--\s*readme:\s*(\w+)\s*(.*?)\s*-->\s*$")
 _NUMBERS = re.compile(r"^<!--\s*readme-numbers:\s*\w+\s*-->\s*$")
 
 
-def snippets() -> list[tuple[int, str, str, str, str]]:
-    """``(line, language, mode, reason, code)`` of every bash/python block."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def page_snippets(page: Path) -> list[tuple[int, str, str, str, str]]:
+    """``(line, language, mode, reason, code)`` of every bash/python block of
+    ``page``."""
+    lines = page.read_text(encoding="utf-8").splitlines()
     out = []
     i = 0
     while i < len(lines):
@@ -58,21 +62,46 @@ def snippets() -> list[tuple[int, str, str, str, str]]:
     return out
 
 
+def snippets() -> list[tuple[str, int, str, str, str, str]]:
+    """``(page, line, language, mode, reason, code)`` of every bash/python block
+    of every page (:data:`PAGES`); ``page`` relative to the repository."""
+    return [
+        (page.relative_to(ROOT).as_posix(), *s)
+        for page in PAGES
+        for s in page_snippets(page)
+    ]
+
+
 SNIPPETS = snippets()
 
 
 def _id(s: tuple) -> str:
-    return f"README.md:{s[0]}-{s[1]}-{s[2]}"
+    return f"{s[0]}:{s[1]}-{s[2]}-{s[3]}"
 
 
 def test_every_snippet_has_a_known_mode():
-    assert SNIPPETS, "the README has no snippets"
-    for line, _lang, mode, reason, _code in SNIPPETS:
+    assert any(s[0] == "README.md" for s in SNIPPETS), "the README has no snippets"
+    assert any(s[0].startswith("docs/") for s in SNIPPETS), "the docs have none"
+    for page, line, _lang, mode, reason, _code in SNIPPETS:
         assert mode in ("run", "slow", "synopsis", "skip", "numbers"), (
-            f"README.md:{line}: {mode}"
+            f"{page}:{line}: {mode}"
         )
         if mode == "skip":
-            assert reason, f"README.md:{line}: a skipped snippet needs a reason"
+            assert reason, f"{page}:{line}: a skipped snippet needs a reason"
+
+
+def test_quickstart_has_the_two_setup_commands_ci_runs():
+    """The README's Quickstart holds exactly two commands: the set-up with the
+    demo calibration, and the one ``.ci/run`` runs (the test command)."""
+    text = README.read_text(encoding="utf-8")
+    quick = text.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```bash\n(.*?)\n```$", quick, re.M | re.S)
+    assert blocks == [
+        "bash ci/setup.sh && ascend-fa calibrate --output out/smollm2",
+        "bash ci/setup.sh dev && bash ci/test.sh",
+    ], blocks
+    run = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert run[-1] == blocks[1], run[-1]
 
 
 def _run(lang: str, code: str, tmp_path: Path, timeout: int) -> None:
@@ -90,15 +119,15 @@ def _run(lang: str, code: str, tmp_path: Path, timeout: int) -> None:
     )
 
 
-@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[2] == "run"], ids=_id)
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[3] == "run"], ids=_id)
 def test_snippet_runs(snippet, tmp_path):
-    _run(snippet[1], snippet[4], tmp_path, timeout=600)
+    _run(snippet[2], snippet[5], tmp_path, timeout=600)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[2] == "slow"], ids=_id)
+@pytest.mark.parametrize("snippet", [s for s in SNIPPETS if s[3] == "slow"], ids=_id)
 def test_slow_snippet_runs(snippet, tmp_path):
-    _run(snippet[1], snippet[4], tmp_path, timeout=3600)
+    _run(snippet[2], snippet[5], tmp_path, timeout=3600)
 
 
 def _help(argv: list[str]) -> str:
@@ -113,10 +142,10 @@ def _help(argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize(
-    "snippet", [s for s in SNIPPETS if s[2] == "synopsis"], ids=_id
+    "snippet", [s for s in SNIPPETS if s[3] == "synopsis"], ids=_id
 )
 def test_synopsis_matches_the_cli(snippet):
-    code = snippet[4].replace("\\\n", " ")
+    code = snippet[5].replace("\\\n", " ")
     for line in code.splitlines():
         m = re.match(r"\s*ascend-fa\s+([a-z0-9-]+)(?:\s+([a-z][a-z0-9-]*))?", line)
         if not m:
@@ -130,4 +159,6 @@ def test_synopsis_matches_the_cli(snippet):
         else:
             text = top
         for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line):
-            assert flag in text, f"README.md:{snippet[0]}: {flag} not in {argv} --help"
+            assert flag in text, (
+                f"{snippet[0]}:{snippet[1]}: {flag} not in {argv} --help"
+            )

@@ -1,12 +1,13 @@
-"""The README's numbers reproduce: a table marked ``<!-- readme-numbers: ci -->``
-is printed by the ``ascend-fa`` command in the ``bash`` block right after the
-marker; the slow test runs that command and compares every number of its printed
-table with the README's ``text`` block that follows (:func:`moved_cells`).
+"""The documented numbers reproduce: a table marked ``<!-- readme-numbers: ci -->``
+in ``README.md`` or any ``docs/**/*.md`` page is printed by the ``ascend-fa``
+command in the ``bash`` block right after the marker; the slow test runs that
+command and compares every number of its printed table with the page's ``text``
+block that follows (:func:`moved_cells`).
 
 Why the check can hold on any x86-64 CPU and thread count: a marked command with
 ``eval --dtype fp64``. In fp32 the float logits of two CPUs (or of torch's AVX2 and
 generic kernels) differ in the last bits, some INT8 codes round the other way and
-the README's fp32 table moved by up to 0.23 perplexity points, 0.014 top-1 and 14 %
+the documented fp32 table moved by up to 0.23 perplexity points, 0.014 top-1 and 14 %
 of a KL on another CPU. In fp64 the activations of two CPUs agree to about 1e-16,
 the FA points quantize the same fp32 values, and every printed cell is the same.
 
@@ -35,6 +36,8 @@ from builders import byte_tokenizer, tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The pages whose marked tables are checked: the README and the docs site.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 MARK = "<!-- readme-numbers: ci -->"
 PPL = re.compile(r"^([0-9.]+) \(([+-][0-9.]+)%\)$")
 
@@ -62,24 +65,27 @@ VARIANTS = {
 }
 
 
-def marked_tables() -> list[tuple[int, str, list[str]]]:
-    """``(line, command, table lines)`` for every marked table of the README."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def marked_tables() -> list[tuple[str, str, list[str]]]:
+    """``(page:line, command, table lines)`` for every marked table of every page
+    (:data:`PAGES`)."""
     out = []
-    for i, line in enumerate(lines):
-        if line.strip() != MARK:
-            continue
-        j = i + 1
-        assert lines[j].strip() == "```bash", f"README.md:{j + 1}: bash block expected"
-        command = lines[j + 1].strip()
-        assert command.startswith("ascend-fa "), f"README.md:{j + 2}: {command}"
-        k = j + 2
-        while lines[k].strip() != "```text":
-            k += 1
-        end = k + 1
-        while lines[end].strip() != "```":
-            end += 1
-        out.append((i + 1, command, lines[k + 1 : end]))
+    for page in PAGES:
+        name = page.relative_to(ROOT).as_posix()
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if line.strip() != MARK:
+                continue
+            j = i + 1
+            assert lines[j].strip() == "```bash", f"{name}:{j + 1}: bash block expected"
+            command = lines[j + 1].strip()
+            assert command.startswith("ascend-fa "), f"{name}:{j + 2}: {command}"
+            k = j + 2
+            while lines[k].strip() != "```text":
+                k += 1
+            end = k + 1
+            while lines[end].strip() != "```":
+                end += 1
+            out.append((f"{name}:{i + 1}", command, lines[k + 1 : end]))
     return out
 
 
@@ -151,7 +157,7 @@ def moved_cells(want: list[str], got: list[str], fp64: bool = True) -> list[str]
     if set(w) != set(g):
         return [f"rows {sorted(g)}, expected {sorted(w)}"]
     return [
-        f"{name} / {header}: README {cell}, now {g[name][header]}"
+        f"{name} / {header}: documented {cell}, now {g[name][header]}"
         for name, row in w.items()
         for header, cell in list(row.items())[1:]
         if not same(header, cell, g[name][header])
@@ -160,15 +166,15 @@ def moved_cells(want: list[str], got: list[str], fp64: bool = True) -> list[str]
 
 def test_every_marked_table_parses():
     tables = marked_tables()
-    assert tables, f"the README has no {MARK} table"
-    for line, command, table in tables:
+    assert tables, f"no page has a {MARK} table"
+    for where, command, table in tables:
         same = close if "--dtype fp64" in command else close_fp32
         rows = parse_table(table)
-        assert "float" in rows and len(rows) >= 3, f"README.md:{line}"
+        assert "float" in rows and len(rows) >= 3, where
         for name, row in rows.items():
             for header, cell in list(row.items())[1:]:
                 # every cell is a number this test knows how to compare
-                assert same(header, cell, cell), f"README.md:{line}: {name} {header}"
+                assert same(header, cell, cell), f"{where}: {name} {header}"
 
 
 def test_close_refuses_a_real_difference():
@@ -303,9 +309,9 @@ def test_the_check_fails_on_scales_one_step_off(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("entry", marked_tables(), ids=lambda e: f"README.md:{e[0]}")
+@pytest.mark.parametrize("entry", marked_tables(), ids=lambda e: e[0])
 def test_marked_table_reproduces(entry, tmp_path):
-    line, command, table = entry
+    where, command, table = entry
     argv = shlex.split(command)
     proc = subprocess.run(
         [sys.executable, "-m", "ascend_fa", *argv[1:]],
@@ -317,4 +323,4 @@ def test_marked_table_reproduces(entry, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     bad = moved_cells(table, proc.stdout.splitlines(), "--dtype fp64" in argv)
-    assert not bad, f"README.md:{line}: numbers moved:\n" + "\n".join(bad)
+    assert not bad, f"{where}: numbers moved:\n" + "\n".join(bad)

@@ -106,7 +106,8 @@ CASES = {
     "qwen3_merge_dyn": ("qwen3_untied", ("--merge-into", "{export}")),
 }
 #: Where our verdict and the real loader's are known to differ, with what is
-#: known (README "Consumer releases: the real loader"); strict: a fix shows.
+#: known (docs/reference/compatibility.md, "Verdicts of the real loader");
+#: strict: a fix shows.
 OPEN: dict[tuple[str, str], str] = {}
 
 

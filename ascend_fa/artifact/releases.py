@@ -466,8 +466,8 @@ def resolve_release(target: str, version: str | None) -> Release | None:
             return None
         raise InputError(
             f"--consumer-version {version!r}: --target {target} has no release "
-            "table (vllm-ascend and mindie releases are; see README 'Consumer "
-            "releases')"
+            "table (vllm-ascend and mindie releases are; see "
+            "docs/reference/compatibility.md)"
         )
     if version is None:
         version = DEFAULT_RELEASE[target]

@@ -189,7 +189,7 @@ def check_target(
         )
         raise UnsupportedError(
             f"--target {target} reads no attention scales for {what} ({why}; see "
-            "README 'Consumer releases'): quantize the linears (--linear w8a8 / "
+            "docs/reference/compatibility.md): quantize the linears (--linear w8a8 / "
             "w8a8_dynamic)"
         )
     # --target mindie with float linears is allowed (an attention-only research

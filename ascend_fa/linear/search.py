@@ -48,10 +48,10 @@ extrapolated to), at most :data:`MAX_HEADROOM`. Heavy-tailed inputs, whose
 extremes keep growing with more data, get more room; inputs whose extremes the
 calibration set has already found get little. With 2 doublings (the default):
 code KL 0.0343 after the prose-only calibration, prose 0.0155 after the all-domain
-one (README, "Across domains"). The searched ``clip`` is reported as chosen;
-``headroom``, ``lo`` / ``hi`` and ``rel_error`` are the widened range's. The
-caller chooses which groups (``LinearConfig.headroom_doublings`` for those that
-read an MLP's gated product).
+one (docs/accuracy/linears.md, "Across domains"). The searched ``clip`` is
+reported as chosen; ``headroom``, ``lo`` / ``hi`` and ``rel_error`` are the
+widened range's. The caller chooses which groups (``LinearConfig.headroom_doublings``
+for those that read an MLP's gated product).
 
 The held-out products are exact integer products, as the device's int8 GEMM with
 int32 accumulation (:func:`~ascend_fa.atb_ops.linear.int_gemm_float`): ``(q -

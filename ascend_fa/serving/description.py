@@ -20,7 +20,7 @@ type               layers                                                   emul
                    per head, static; ``fa_quant_type``)
 =================  =======================================================  ========
 
-(see the README's "Serve in vLLM").
+(see docs/guides/serve-vllm.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,14 @@ through an INT8 quant -> dequant at the FA points (the adapter's ``fa_q``/``fa_k
   output (after ``o_proj``) of the fake-quant run against the float run, with the
   whole model fake-quantized (so earlier layers' error is included, as deployed):
   cosine of the flattened outputs over all tokens, and ``Σ|fq - float| / Σ|float|``.
-  These are the definitions of ``calibration_report.json``.
+  These are the definitions of ``calibration_report.json``. The output is a
+  residual-stream vector: a model that carries the stream rotated (an artifact
+  calibrated with the residual rotation, :mod:`ascend_fa.transforms.residual`:
+  ``h' = h Q``, which the default W8A8 recipe applies) writes ``o Q``, so its
+  outputs are taken back to the float model's basis (``· Qᵀ``,
+  :func:`residual_basis`) before they are compared; compared as written, a
+  Hadamard ``Q`` gives a cosine near 0 and a relative L1 near 1.6 for a model
+  whose perplexity moved by a few percent.
 
 What is fake-quantized is a :data:`QuantSpec`:
 
@@ -71,6 +78,8 @@ from ascend_fa.metrics import OutputError, token_kl, token_nll
 from ascend_fa.safe_files import read_json_object
 
 __all__ = [
+    "BASIS_TOLERANCE",
+    "residual_basis",
     "EVAL_SETS",
     "LONG_EVAL_SETS",
     "ScaleMap",
@@ -381,6 +390,9 @@ def evaluate(
                 check_scales(points[id(runs[key])], spec)
         names = list(mods)
         errs = {k: {n: OutputError() for n in names} for k in specs}
+        # a model carrying the residual stream rotated: its outputs in the
+        # float model's basis (module doc)
+        back = {id(m): residual_basis(model, m) for m in distinct.values()}
         nll = dict.fromkeys(specs, 0.0)
         kls = {k: [0.0, 0, 0] for k in specs}
         nll_float = 0.0
@@ -438,8 +450,12 @@ def evaluate(
                     kls[key][1] += same
                     kls[key][2] += num
                     del out
+                    q = back[id(runs[key])]
                     for name in names:
-                        errs[key][name].add(ref[name], captured[name])
+                        got = captured[name]
+                        if q is not None:
+                            got = got @ q.to(got.device).T
+                        errs[key][name].add(ref[name], got)
                     if bar is not None:
                         bar.update(len(group))
                 del ref_logits
@@ -471,6 +487,35 @@ def evaluate(
             top1=same / num if num else float("nan"),
         )
     return results
+
+
+#: Relative Frobenius residual ``|E Q - E'| / |E'|`` under which the
+#: embeddings ``E'`` of another model are ``E`` rotated by the orthogonal ``Q``
+#: (bf16 rounding of ``E'`` leaves about 4e-3; an unrelated matrix about 1).
+BASIS_TOLERANCE = 2e-2
+
+
+@torch.no_grad()
+def residual_basis(reference: nn.Module, other: nn.Module) -> torch.Tensor | None:
+    """``Q`` ``[n, n]`` float64 with ``other``'s residual stream ``= reference``'s
+    ``· Q`` (the residual rotation), or None when ``other`` carries the stream
+    as ``reference`` does. ``Q`` is the orthogonal Procrustes solution between
+    the two input embedding matrices (``E' = E Q`` exactly for a rotated model),
+    from up to ``8 n`` rows; it counts only where it reproduces ``E'`` within
+    :data:`BASIS_TOLERANCE`."""
+    if other is reference:
+        return None
+    a = reference.get_input_embeddings().weight
+    b = other.get_input_embeddings().weight
+    if a.shape != b.shape or torch.equal(a, b):
+        return None
+    rows = min(a.shape[0], 8 * a.shape[1])
+    e, f = a[:rows].double().cpu(), b[:rows].double().cpu()
+    u, _, vh = torch.linalg.svd(e.T @ f)
+    q = u @ vh
+    if torch.linalg.norm(e @ q - f) > BASIS_TOLERANCE * torch.linalg.norm(f):
+        return None
+    return q
 
 
 @dataclass

@@ -74,11 +74,10 @@ from ascend_fa.eval_data import (
 )
 from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
-from ascend_fa.metrics import OutputError, token_kl, token_nll
+from ascend_fa.metrics import OutputError, residual_basis, token_kl, token_nll
 from ascend_fa.safe_files import read_json_object
 
 __all__ = [
-    "BASIS_TOLERANCE",
     "residual_basis",
     "EVAL_SETS",
     "LONG_EVAL_SETS",
@@ -487,35 +486,6 @@ def evaluate(
             top1=same / num if num else float("nan"),
         )
     return results
-
-
-#: Relative Frobenius residual ``|E Q - E'| / |E'|`` under which the
-#: embeddings ``E'`` of another model are ``E`` rotated by the orthogonal ``Q``
-#: (bf16 rounding of ``E'`` leaves about 4e-3; an unrelated matrix about 1).
-BASIS_TOLERANCE = 2e-2
-
-
-@torch.no_grad()
-def residual_basis(reference: nn.Module, other: nn.Module) -> torch.Tensor | None:
-    """``Q`` ``[n, n]`` float64 with ``other``'s residual stream ``= reference``'s
-    ``· Q`` (the residual rotation), or None when ``other`` carries the stream
-    as ``reference`` does. ``Q`` is the orthogonal Procrustes solution between
-    the two input embedding matrices (``E' = E Q`` exactly for a rotated model),
-    from up to ``8 n`` rows; it counts only where it reproduces ``E'`` within
-    :data:`BASIS_TOLERANCE`."""
-    if other is reference:
-        return None
-    a = reference.get_input_embeddings().weight
-    b = other.get_input_embeddings().weight
-    if a.shape != b.shape or torch.equal(a, b):
-        return None
-    rows = min(a.shape[0], 8 * a.shape[1])
-    e, f = a[:rows].double().cpu(), b[:rows].double().cpu()
-    u, _, vh = torch.linalg.svd(e.T @ f)
-    q = u @ vh
-    if torch.linalg.norm(e @ q - f) > BASIS_TOLERANCE * torch.linalg.norm(f):
-        return None
-    return q
 
 
 @dataclass

@@ -387,23 +387,7 @@ def inspect_artifact(
     for name in sorted(set(where) - tensor_entries) if desc else []:
         findings.append(f"{name}: tensor has no description entry")
 
-    shapes = _header_shapes(where) if where else {}
-    arch = completeness_findings(shapes, config) if where and config else []
-    findings.extend(arch)
-    known_arch = bool(where and config and expected_known(config))
-    # with the architecture's shapes known, the linear judge's config-implied
-    # attention shapes would repeat its findings
-    linear_config = None if known_arch else config
-    findings.extend(
-        linear_findings(where, desc, linear_config) if where and desc else []
-    )
-    findings.extend(provenance_findings(desc, config))
-    if (
-        target is None
-        and has_desc
-        and isinstance((config or {}).get("quantization_config"), dict)
-    ):
-        findings.append(QUANTIZATION_CONFIG_FINDING)
+    findings.extend(_model_findings(where, desc, config, target, has_desc))
     model_dtype = _DTYPES.get(str((config or {}).get("torch_dtype")), torch.float32)
     fa_parts: dict[str, dict[tuple[str, str], Any]] = {}
     handles: dict[Path, Any] = {}
@@ -517,6 +501,31 @@ def _release_checks(
         block = experts[0].split(".experts.")[0].rpartition(".")[2]
         line = expert_linear_refusal(release.target, release.name, arch, block)
         findings.extend([line] if line else [])
+
+
+def _model_findings(
+    where: dict[str, Path],
+    desc: dict[str, Any],
+    config: dict[str, Any] | None,
+    target: str | None,
+    has_desc: bool,
+) -> list[str]:
+    """The artifact against its model: every tensor of the architecture with the
+    shape config.json implies (:mod:`.architecture`), the quantized linears
+    (:mod:`.linear_judge`), the provenance rule (:mod:`.provenance`) and a
+    ``quantization_config`` beside a description (for no recorded target; each
+    target's rules say it for theirs)."""
+    out = completeness_findings(_header_shapes(where), config) if where else []
+    # with the architecture's shapes known, the linear judge's config-implied
+    # attention shapes would repeat its findings
+    known = bool(where and config and expected_known(config))
+    if where and desc:
+        out.extend(linear_findings(where, desc, None if known else config))
+    out.extend(provenance_findings(desc, config))
+    qc = (config or {}).get("quantization_config")
+    if target is None and has_desc and isinstance(qc, dict):
+        out.append(QUANTIZATION_CONFIG_FINDING)
+    return out
 
 
 def expected_known(config: dict[str, Any]) -> bool:

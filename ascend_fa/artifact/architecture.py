@@ -51,10 +51,15 @@ class ArchitectureError(ValueError):
 def expected_tensors(config: Mapping[str, Any] | None) -> dict[str, list[int]] | None:
     """Checkpoint name -> shape of every tensor the model of ``config`` (a
     ``config.json`` as a dict) loads; None when its ``model_type`` is not a
-    declared family (nothing to compare with). Raises
+    declared family, or one the installed transformers does not have (nothing
+    to compare with). Raises
     :class:`ArchitectureError` (one line) when transformers cannot build it."""
     if not config or attention_kind(config.get("model_type")) is None:
         return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config["model_type"] not in CONFIG_MAPPING:
+        return None  # an older transformers without the family: nothing to build
     key = json.dumps(config, sort_keys=True, default=str)
     return dict(_expected(key))
 

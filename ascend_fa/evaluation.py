@@ -10,7 +10,14 @@ through an INT8 quant -> dequant at the FA points (the adapter's ``fa_q``/``fa_k
   output (after ``o_proj``) of the fake-quant run against the float run, with the
   whole model fake-quantized (so earlier layers' error is included, as deployed):
   cosine of the flattened outputs over all tokens, and ``Σ|fq - float| / Σ|float|``.
-  These are the definitions of ``calibration_report.json``.
+  These are the definitions of ``calibration_report.json``. The output is a
+  residual-stream vector: a model that carries the stream rotated (an artifact
+  calibrated with the residual rotation, :mod:`ascend_fa.transforms.residual`:
+  ``h' = h Q``, which the default W8A8 recipe applies) writes ``o Q``, so its
+  outputs are taken back to the float model's basis (``· Qᵀ``,
+  :func:`residual_basis`) before they are compared; compared as written, a
+  Hadamard ``Q`` gives a cosine near 0 and a relative L1 near 1.6 for a model
+  whose perplexity moved by a few percent.
 
 What is fake-quantized is a :data:`QuantSpec`:
 
@@ -67,10 +74,11 @@ from ascend_fa.eval_data import (
 )
 from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
-from ascend_fa.metrics import OutputError, token_kl, token_nll
+from ascend_fa.metrics import OutputError, residual_basis, token_kl, token_nll
 from ascend_fa.safe_files import read_json_object
 
 __all__ = [
+    "residual_basis",
     "EVAL_SETS",
     "LONG_EVAL_SETS",
     "ScaleMap",
@@ -381,6 +389,9 @@ def evaluate(
                 check_scales(points[id(runs[key])], spec)
         names = list(mods)
         errs = {k: {n: OutputError() for n in names} for k in specs}
+        # a model carrying the residual stream rotated: its outputs in the
+        # float model's basis (module doc)
+        back = {id(m): residual_basis(model, m) for m in distinct.values()}
         nll = dict.fromkeys(specs, 0.0)
         kls = {k: [0.0, 0, 0] for k in specs}
         nll_float = 0.0
@@ -438,8 +449,12 @@ def evaluate(
                     kls[key][1] += same
                     kls[key][2] += num
                     del out
+                    q = back[id(runs[key])]
                     for name in names:
-                        errs[key][name].add(ref[name], captured[name])
+                        got = captured[name]
+                        if q is not None:
+                            got = got @ q.to(got.device).T
+                        errs[key][name].add(ref[name], got)
                     if bar is not None:
                         bar.update(len(group))
                 del ref_logits

@@ -8,6 +8,9 @@
   float64: ``cosine = Σab / sqrt(Σaa · Σbb)``, ``rel_l1 = Σ|a - b| / Σ|a|``.
 * :func:`token_kl` — summed per-token KL(float ‖ quantized) of next-token
   distributions, and top-1 agreement counts.
+* :func:`residual_basis` — the orthogonal ``Q`` of a model that carries the
+  residual stream rotated (``h' = h Q``), so that its residual-stream outputs
+  are compared in the float model's basis.
 """
 
 from __future__ import annotations
@@ -15,8 +18,16 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
-__all__ = ["token_nll", "token_kl", "perplexity", "OutputError"]
+__all__ = [
+    "BASIS_TOLERANCE",
+    "OutputError",
+    "perplexity",
+    "residual_basis",
+    "token_kl",
+    "token_nll",
+]
 
 
 def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -102,3 +113,32 @@ class OutputError:
         """``Σ|a - b| / Σ|a|``; ``empty`` when the reference is all zero."""
         diff, norm = self.sums[3:].tolist()
         return diff / norm if norm else empty
+
+
+#: Relative Frobenius residual ``|E Q - E'| / |E'|`` under which the
+#: embeddings ``E'`` of another model are ``E`` rotated by the orthogonal ``Q``
+#: (bf16 rounding of ``E'`` leaves about 4e-3; an unrelated matrix about 1).
+BASIS_TOLERANCE = 2e-2
+
+
+@torch.no_grad()
+def residual_basis(reference: nn.Module, other: nn.Module) -> torch.Tensor | None:
+    """``Q`` ``[n, n]`` float64 with ``other``'s residual stream ``= reference``'s
+    ``· Q`` (the residual rotation), or None when ``other`` carries the stream
+    as ``reference`` does. ``Q`` is the orthogonal Procrustes solution between
+    the two input embedding matrices (``E' = E Q`` exactly for a rotated model),
+    from up to ``8 n`` rows; it counts only where it reproduces ``E'`` within
+    :data:`BASIS_TOLERANCE`."""
+    if other is reference:
+        return None
+    a = reference.get_input_embeddings().weight
+    b = other.get_input_embeddings().weight
+    if a.shape != b.shape or torch.equal(a, b):
+        return None
+    rows = min(a.shape[0], 8 * a.shape[1])
+    e, f = a[:rows].double().cpu(), b[:rows].double().cpu()
+    u, _, vh = torch.linalg.svd(e.T @ f)
+    q = u @ vh
+    if torch.linalg.norm(e @ q - f) > BASIS_TOLERANCE * torch.linalg.norm(f):
+        return None
+    return q

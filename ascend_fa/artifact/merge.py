@@ -115,6 +115,7 @@ def check_merge_export(
         what=f"--merge-into {directory}",
     )
     if model_config is None:
+        _check_claims(flag, desc, export_config, None, expected, where, source)
         return desc
     mine, theirs = model_config.get("model_type"), export_config.get("model_type")
     if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs:
@@ -148,4 +149,31 @@ def check_merge_export(
                 f"model.layers.0.self_attn.k_proj.weight has {k[0]} rows, the model "
                 f"has {kv} KV heads x {dim} = {kv * dim}"
             )
+    _check_claims(flag, desc, export_config, model_config, expected, where, source)
     return desc
+
+
+def _check_claims(
+    flag: str,
+    desc: Mapping[str, Any],
+    config: Mapping[str, Any],
+    model_config: Mapping[str, Any] | None,
+    expected: Mapping[str, list[int]],
+    where: Mapping[str, Path],
+    source: str | Path | None,
+) -> None:
+    """The provenance rule every verb applies
+    (:func:`~.provenance.provenance_findings`): an export that one of ours was
+    merged into records its source and target; they must hold here too."""
+    from .provenance import provenance_findings
+
+    found = provenance_findings(
+        desc,
+        config,
+        model_config=model_config,
+        model_shapes=expected,
+        artifact_shapes=_shapes(where),
+        model=source if source is not None else "(the model)",
+    )
+    if found:
+        raise InputError(f"{flag}: {found[0]}")

@@ -15,9 +15,18 @@ vllm-ascend look up tensor names and the top-level types only) two keys beside
 The kept ``config.json`` is the source's and is not touched. A ``--target vllm``
 artifact has no description, so it records nothing.
 
-:func:`check_artifact_model` runs before ``eval`` / ``emulate`` load the model: an
-artifact of another model (model type, recorded shapes, tensor shapes) is refused
-in one line, and its quantized linears are judged (:mod:`.linear_judge`).
+One rule judges what an artifact claims, :func:`provenance_findings`, applied by
+``inspect`` (findings), ``eval`` / ``emulate`` (:func:`check_artifact_model`,
+before the model loads), ``calibrate --merge-into``
+(:func:`~.merge.check_merge_export`) and the vLLM plugin (through ``inspect``):
+
+* a recorded target (``metadata.ascend_fa_target``) is one of
+  :data:`~.format.TARGETS` (an unknown one leaves no rules to judge by);
+* the recorded source (:data:`SOURCE_METADATA_KEY`) agrees with the artifact's
+  ``config.json``: model type and architectures;
+* with a model to compare (``--model``): its model type is the recorded one and
+  the config.json's, its checkpoint's shapes give the recorded fingerprint, and
+  every shared tensor has the model's shape.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any
 from ascend_fa.errors import InputError
 from ascend_fa.safe_files import read_json_object
 
-from .format import DESCRIPTION_FILE
+from .format import DESCRIPTION_FILE, TARGET_METADATA_KEY, TARGETS
 from .linear_judge import check_linears, source_shapes
 from .reader import read_artifact_config, read_description, read_tensor_index
 
@@ -41,6 +50,7 @@ __all__ = [
     "provenance_metadata",
     "recorded_release",
     "check_artifact_model",
+    "provenance_findings",
 ]
 
 #: Key of the description's ``metadata``: what the artifact was made from.
@@ -103,54 +113,109 @@ def recorded_release(desc: Mapping[str, Any] | None) -> str | None:
     return None if value is None else str(value)
 
 
-def check_artifact_model(artifact: str | Path, model: str | Path | None) -> None:
-    """Refuse (one :class:`~ascend_fa.errors.InputError` naming both) the
-    artifact directory ``artifact`` for the model directory ``model`` when it was
-    made from another model: another model type, other recorded source shapes,
-    or a tensor whose shape is not the model's. Its quantized linears are
-    judged too (:func:`~.linear_judge.check_linears`). A model that is not a
-    local directory (a hub name, the default model) is checked for the linears
-    only."""
-    artifact = Path(artifact)
-    desc = read_description(artifact) if (artifact / DESCRIPTION_FILE).is_file() else {}
-    art_config = read_artifact_config(artifact) or {}
-    model_dir = Path(model) if model is not None else None
-    model_config: dict[str, Any] = {}
-    if model_dir is not None and (model_dir / "config.json").is_file():
-        model_config = read_json_object(model_dir / "config.json", what="config")
-    expected = source_shapes(model_dir) if model_dir is not None else {}
-    record = _metadata(desc).get(SOURCE_METADATA_KEY)
+def provenance_findings(
+    desc: Mapping[str, Any] | None,
+    config: Mapping[str, Any] | None,
+    *,
+    model_config: Mapping[str, Any] | None = None,
+    model_shapes: Mapping[str, list[int]] | None = None,
+    artifact_shapes: Mapping[str, Any] | None = None,
+    model: str | Path | None = None,
+) -> list[str]:
+    """What contradicts the artifact's claims (module doc), one line each:
+    ``desc`` / ``config`` are its description and config.json; ``model_config``
+    / ``model_shapes`` the model it is used with (``--model``'s config.json and
+    checkpoint shapes, when there is one); ``artifact_shapes`` its tensors'
+    shapes."""
+    out: list[str] = []
+    meta = _metadata(desc)
+    target = meta.get(TARGET_METADATA_KEY)
+    if target is not None and target not in TARGETS:
+        out.append(
+            f"{DESCRIPTION_FILE}: metadata.{TARGET_METADATA_KEY} {_cut(target)!r} is "
+            f"not a known target ({', '.join(TARGETS)}); no consumer's rules can be "
+            "applied"
+        )
+    record = meta.get(SOURCE_METADATA_KEY)
+    if record is not None and not isinstance(record, Mapping):
+        out.append(
+            f"{DESCRIPTION_FILE}: metadata.{SOURCE_METADATA_KEY} is not a JSON object"
+        )
     record = record if isinstance(record, Mapping) else {}
-    theirs = record.get("model_type") or art_config.get("model_type")
-    mine = model_config.get("model_type")
+    recorded = record.get("model_type")
+    own = (config or {}).get("model_type")
+    if recorded is not None and own is not None and recorded != own:
+        out.append(
+            f"{DESCRIPTION_FILE}: metadata records a {_cut(recorded)!r} source, "
+            f"config.json says model_type {_cut(own)!r}"
+        )
+    arch, own_arch = record.get("architectures"), (config or {}).get("architectures")
+    if isinstance(arch, list) and isinstance(own_arch, list) and arch != own_arch:
+        out.append(
+            f"{DESCRIPTION_FILE}: metadata records architectures {_cut(arch)}, "
+            f"config.json says {_cut(own_arch)}"
+        )
+    if model_config is None and not model_shapes:
+        return out
+    theirs = recorded if isinstance(recorded, str) else own
+    mine = (model_config or {}).get("model_type")
     if isinstance(mine, str) and isinstance(theirs, str) and mine != theirs:
-        raise InputError(
-            f"artifact {artifact} was made from a {_cut(theirs)!r} model; --model "
-            f"{model} is {_cut(mine)!r}"
+        out.append(
+            f"made from a {_cut(theirs)!r} model; --model {model} is {_cut(mine)!r}"
         )
-    recorded = record.get("shapes")
+    fingerprint = record.get("shapes")
     if (
-        isinstance(recorded, str)
-        and expected
-        and recorded != shapes_fingerprint(expected)
+        isinstance(fingerprint, str)
+        and model_shapes
+        and fingerprint != shapes_fingerprint(model_shapes)
     ):
-        raise InputError(
-            f"artifact {artifact} was made from a checkpoint with other tensor "
-            f"shapes than --model {model} (fingerprint {_cut(recorded)} vs "
-            f"{shapes_fingerprint(expected)})"
+        out.append(
+            f"made from a checkpoint with other tensor shapes than --model {model} "
+            f"(fingerprint {_cut(fingerprint)} vs {shapes_fingerprint(model_shapes)})"
         )
-    where = read_tensor_index(artifact)
-    for name, shape in _artifact_shapes(where).items():
-        want = expected.get(name)
+    for name, shape in (artifact_shapes or {}).items():
+        want = (model_shapes or {}).get(name)
         if (
             want is not None
             and list(shape) != list(want)
             and name.endswith(("embed_tokens.weight", "_proj.weight", "norm.weight"))
         ):
-            raise InputError(
-                f"artifact {artifact} belongs to another model: {name} is "
-                f"{list(shape)}, --model {model} has {list(want)}"
+            out.append(
+                f"belongs to another model: {name} is {list(shape)}, --model {model} "
+                f"has {list(want)}"
             )
+            break
+    return out
+
+
+def check_artifact_model(artifact: str | Path, model: str | Path | None) -> None:
+    """Refuse (one :class:`~ascend_fa.errors.InputError` naming both) the
+    artifact directory ``artifact`` for the model directory ``model`` where
+    :func:`provenance_findings` finds anything: an unknown recorded target, a
+    record contradicting its config.json, another model type, other recorded
+    source shapes, or a tensor whose shape is not the model's. Its quantized
+    linears are judged too (:func:`~.linear_judge.check_linears`). A model that
+    is not a local directory (a hub name, the default model) is checked against
+    the artifact's own claims and for the linears only."""
+    artifact = Path(artifact)
+    desc = read_description(artifact) if (artifact / DESCRIPTION_FILE).is_file() else {}
+    art_config = read_artifact_config(artifact) or {}
+    model_dir = Path(model) if model is not None else None
+    model_config: dict[str, Any] | None = None
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        model_config = read_json_object(model_dir / "config.json", what="config")
+    expected = source_shapes(model_dir) if model_dir is not None else {}
+    where = read_tensor_index(artifact)
+    found = provenance_findings(
+        desc,
+        art_config,
+        model_config=model_config,
+        model_shapes=expected,
+        artifact_shapes=_artifact_shapes(where),
+        model=model,
+    )
+    if found:
+        raise InputError(f"artifact {artifact}: {found[0]}")
     check_linears(
         where,
         desc,

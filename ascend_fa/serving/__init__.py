@@ -24,7 +24,10 @@ def inactive_reason() -> str | None:
     """Why the plugin stays inert in this process (None: it registers)."""
     if importlib.util.find_spec("vllm_ascend") is not None:
         return "vllm_ascend is installed (its 'ascend' quantization serves)"
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as exc:  # no vLLM here (or a broken one): nothing to serve
+        return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
 
     if not current_platform.is_cpu():
         return f"vLLM's platform is {current_platform.device_type!r}, not 'cpu'"

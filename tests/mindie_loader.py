@@ -66,6 +66,17 @@ MOE_QUANTIZE_READERS = ("deepseekv2", "glm4_moe", "mixtral")
 #: model-level quantize (weight_wrapper.py L154-158 reads a w8a8 linear's
 #: quant_bias and deq_scale).
 GRAPH_MODEL_LEVEL_EXPERTS = ("mixtral",)
+#: MindIE: qwen2/modeling_qwen2.py L154-163 (``FlashQwenAttention``, the attention
+#: of qwen2_moe, modeling_qwen2_moe.py L52): the attention loads under
+#: config.json's ``attn_quantize`` when present, else under ``w8a8`` when a "moe"
+#: model's quantize is ``w8a8_dynamic``; glm4_moe/modeling_glm4_moe.py L243-246 reads
+#: ``attn_quantize`` only.
+OWN_ATTN_QUANTIZE = {"qwen2_moe": "w8a8"}
+ATTN_QUANTIZE_READERS = ("qwen2_moe", "glm4_moe")
+#: MindIE: glm4_moe/modeling_glm4_moe.py L254-261: q/k/v loaded with ``bias=True``
+#: whatever ``attention_bias`` says; the others follow ``attention_bias``
+#: (qwen2/modeling_qwen2.py L172-177 ``bias=config.attention_bias``).
+ATTN_BIAS = ("glm4_moe",)
 #: MindIE: glm4_moe/config_glm4_moe.py L51 ``__init__(self, rope_scaling, **kw)``.
 REQUIRED_CONFIG_KEYS = {"glm4_moe": ("rope_scaling",)}
 #: MindIE: mixtral/config_mixtral.py L53 ``self.torch_dtype = torch.float16``.
@@ -206,8 +217,16 @@ def _layer(ck: _Checkpoint, load: Load, cfg: dict[str, Any], i: int) -> None:
             heads.append(f"{a}.q_proj")
     else:
         heads = [f"{a}.{n}_proj" for n in ("q", "k", "v", "o")]
+    attn_q = q
+    if load.model in ATTN_QUANTIZE_READERS and cfg.get("attn_quantize") is not None:
+        attn_q = cfg["attn_quantize"]
+    elif load.model in OWN_ATTN_QUANTIZE and q == "w8a8_dynamic":
+        attn_q = OWN_ATTN_QUANTIZE[load.model]
     for lin in heads:
-        _linear(ck, load, lin, q)
+        _linear(ck, load, lin, attn_q)
+    if load.model in ATTN_BIAS or cfg.get("attention_bias"):
+        for lin in heads[:3]:
+            _ask(ck, load, f"{lin}.bias", None)
     if load.fa_quant_type is not None and load.model in FA3:
         # stricter than MindIE: FA3.load_mla falls back to scales of 1 when its
         # two tensors are missing (fa3.py load_mla: except AssertionError)

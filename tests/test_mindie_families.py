@@ -63,10 +63,9 @@ def test_the_table_agrees_with_the_loader_model(model_type):
     assert (model in mindie_loader.MOE_QUANTIZE_READERS) == m.moe_quantize
     assert mindie_loader.FORCED_DTYPE.get(model) == m.dtype
     assert mindie_loader.REQUIRED_CONFIG_KEYS.get(model, ()) == m.config_keys
-    assert m.uniform == (
-        model in mindie_loader.GRAPH_MODEL_LEVEL_EXPERTS
-        or model_type in mindie_loader.CONFIG_ONLY_ROUTERS
-    )
+    assert m.uniform == (model in mindie_loader.GRAPH_MODEL_LEVEL_EXPERTS)
+    assert m.attn == mindie_loader.OWN_ATTN_QUANTIZE.get(model)
+    assert m.attn_bias == (model in mindie_loader.ATTN_BIAS)
 
 
 @pytest.fixture(scope="module")

@@ -80,6 +80,9 @@ def _environment(src: Path, scratch: Path) -> None:
     os.environ["MINDIE_LLM_BENCHMARK_FILEPATH"] = str(scratch / "benchmark.jsonl")
     os.environ["BIND_CPU"] = "0"
     os.environ["ATB_SPEED_HOME_PATH"] = str(scratch / "atb_speed")
+    # the npu-smi stand-in (one device; utils/initial.py is_support_hccs)
+    os.environ["PATH"] = f"{STUB / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    os.environ["NPU_SMI_STAND_IN_LOG"] = str(scratch / "npu-smi.log")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -327,7 +330,11 @@ def main(argv: list[str]) -> int:
 
     atb_speed_torch.install(src, scratch / "atb_speed")
     results = [run_one(Path(a).resolve(), src) for a in argv[2:]]
-    out.write_text(json.dumps({"results": results, "touched": torch_npu.TOUCHED}))
+    log = scratch / "npu-smi.log"
+    smi = sorted(set(log.read_text().splitlines())) if log.is_file() else []
+    out.write_text(
+        json.dumps({"results": results, "touched": torch_npu.TOUCHED, "npu_smi": smi})
+    )
     return 0
 
 

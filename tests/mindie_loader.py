@@ -41,10 +41,11 @@ ROUTES = {
 }
 #: MindIE: the routers that override the base ``config`` property and never read
 #: quant_model_description.json (qwen2_moe/router_qwen2_moe.py L22-29,
-#: qwen3_moe/router_qwen3_moe.py L29-34); the others take
+#: qwen3_moe/router_qwen3_moe.py L29-34; mistral/router_mistral.py L22-27:
+#: LlamaConfig.from_pretrained, config.json only); the others take
 #: ``quantize = model_quant_type.lower()`` (base/router.py L217-218) and the
 #: description into ``quantization_config`` (fa_quant_type included, L227-233).
-CONFIG_ONLY_ROUTERS = ("qwen2_moe", "qwen3_moe")
+CONFIG_ONLY_ROUTERS = ("qwen2_moe", "qwen3_moe", "mistral")
 #: MindIE: the models that build FA3 when fa_quant_type is set: base/modeling.py
 #: L96-97 (llama), qwen2/modeling_qwen2.py L147-149, deepseekv2/
 #: modeling_deepseekv2.py L141-144 (FA3.load_mla: fa_q.scale and fa_k.scale only,
@@ -77,8 +78,9 @@ ATTN_QUANTIZE_READERS = ("qwen2_moe", "glm4_moe")
 #: whatever ``attention_bias`` says; the others follow ``attention_bias``
 #: (qwen2/modeling_qwen2.py L172-177 ``bias=config.attention_bias``).
 ATTN_BIAS = ("glm4_moe",)
-#: MindIE: glm4_moe/config_glm4_moe.py L51 ``__init__(self, rope_scaling, **kw)``.
-REQUIRED_CONFIG_KEYS = {"glm4_moe": ("rope_scaling",)}
+#: MindIE: glm4_moe/config_glm4_moe.py L51, deepseekv2/config_deepseekv2.py L58
+#: ``__init__(self, rope_scaling, **kw)``.
+REQUIRED_CONFIG_KEYS = {"glm4_moe": ("rope_scaling",), "deepseekv2": ("rope_scaling",)}
 #: MindIE: mixtral/config_mixtral.py L53 ``self.torch_dtype = torch.float16``.
 FORCED_DTYPE = {"mixtral": "float16"}
 

@@ -153,17 +153,12 @@ def _held(kind: str, name: str, f, module_tensors: dict, dtype) -> bool:
     model dtype), transposed (``check_transpose``), negated (W8A8_DYNAMIC
     ``weight_offset``), inverted (``FA3.load_mla``'s ``1 / q_scale``)."""
 
-    layer = None
-    parts = name.split(".")
-    if "layers" in parts:
-        layer = parts[parts.index("layers") + 1]
+    layer = _layer_index(name)
     for mname, m in module_tensors.items():
-        mparts = mname.split(".")
-        if mparts[-1] not in HELD_AS[kind]:
+        if mname.split(".")[-1] not in HELD_AS[kind]:
             continue
-        if layer is not None and (
-            "layers" not in mparts or mparts[mparts.index("layers") + 1] != layer
-        ):
+        # the same decoder layer (MindIE names it model.layers.N or transformer.h.N)
+        if layer is not None and _layer_index(mname) != layer:
             continue
         if m.dim() == 0 or m.numel() == 0:
             continue
@@ -179,6 +174,11 @@ def _held(kind: str, name: str, f, module_tensors: dict, dtype) -> bool:
             if _contains(m, c) or (m.dim() == 2 and _contains(m.transpose(0, 1), c)):
                 return True
     return False
+
+
+def _layer_index(name: str) -> str | None:
+    """The decoder layer a dotted name is in: its first all-digit part."""
+    return next((p for p in name.split(".") if p.isdigit()), None)
 
 
 def _module_tensors(model) -> dict:

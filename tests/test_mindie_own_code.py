@@ -18,8 +18,9 @@ MindIE has an atb model for (the default linears, and Qwen3-MoE's ``--linear
 w8a8_dynamic``), and the counter-examples: DeepSeek's shared experts
 W8A8_DYNAMIC, a Qwen MoE artifact without ``quantize``, FA scales injected into a
 MoE artifact, all-dynamic Qwen MoE linears without ``attn_quantize`` and a GLM-4-MoE
-artifact without q/k/v biases (the two artifacts of the issue), and the four
-families MindIE has no model for.
+artifact without q/k/v biases (the two artifacts of the issue), a llama artifact
+under ``model_type`` mistral (what ``calibrate`` refuses: MindIE's mistral router
+reads config.json only), and the four families MindIE has no model for.
 
 MindIE's verdict per case (``loads``: built, every quantized tensor held by the
 module as MindIE transforms it, every ``fa_*`` tensor read; ``silent``: built, but
@@ -68,7 +69,7 @@ RUN += ["--heldout", "1", "--no-report", "-q"]
 #: config.json has none; Qwen3's reasoning token ids are 151667 / 151668,
 #: ``models/qwen3/config_qwen3.py``), so the vocabulary is Qwen3's own for Qwen3.
 VOCAB = {"qwen3": 151936, "qwen3_moe": 151936}
-DENSE = ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3")
+DENSE = ("llama", "qwen2", "qwen3", "deepseek_v3")
 MOE = ("qwen2_moe", "qwen3_moe", "glm4_moe", "mixtral")
 NO_MODEL = ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa")
 #: case -> MindIE's verdict (what this commit does; the run must agree)
@@ -81,6 +82,7 @@ EXPECTED = {
     "glm4_moe_fa": "silent",
     "qwen3_moe_dynamic_no_attn_quantize": "error",
     "glm4_moe_no_bias": "error",
+    "mistral_refused": "error",
     **{f"{t}_no_model": "error" for t in NO_MODEL},
 }
 
@@ -223,6 +225,18 @@ def cases(tmp_path_factory) -> dict[str, Path]:
         dyn, e / "noattn", cfg=lambda c: c.pop("attn_quantize")
     )
     out["glm4_moe_no_bias"] = _edit(out["glm4_moe"], e / "nobias", tensors=_no_bias)
+    # mistral: refused (exit 2, nothing written); what it would be is a llama
+    # artifact under model_type mistral (MindIE runs both with its llama model)
+    msrc = root / "mistral-src"
+    save_tiny(msrc, "mistral", vocab_size=1024)
+    assert _calibrate(msrc, root / "mistral") == 2
+    assert not (root / "mistral").exists()
+
+    def as_mistral(c):
+        c["model_type"] = "mistral"
+        c["architectures"] = ["MistralForCausalLM"]
+
+    out["mistral_refused"] = _edit(out["llama"], e / "mistral", cfg=as_mistral)
     for t in NO_MODEL:
 
         def retype(c, t=t):
@@ -287,7 +301,7 @@ def test_mindie_and_ours_agree(cases, mindie, case):
 def test_every_fa_tensor_is_read_where_mindie_builds_fa3(cases, mindie):
     from builders import artifact_tensors
 
-    for fam in ("llama", "mistral", "qwen2", "qwen3", "deepseek_v3"):
+    for fam in ("llama", "qwen2", "qwen3", "deepseek_v3"):
         fa = [n for n in artifact_tensors(cases[fam]) if ".fa_" in n]
         assert fa and set(fa) <= set(mindie[fam]["asked"]), fam
         assert mindie[fam]["fa_quant_type"] in ("FAQuant", "FAKQuant"), fam

@@ -40,10 +40,11 @@ walk MindIE's load path per family from the same citations
 model_type     model        FA3    quantize   routed    shared  notes
 =============  ===========  =====  =========  ========  ======  ==========
 llama          llama        FAQ    desc.      -         -
-mistral        llama        FAQ    desc.      -         -
+mistral        llama        FAQ    config     -         -       refused
 qwen2          qwen2        FAQ    desc.      -         -
 qwen3          qwen2        FAQ    desc.      -         -
-deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16
+deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16,
+                                                                rope_scaling
 qwen2_moe      qwen2_moe    -      config     quantize  model   attn w8a8
 qwen3_moe      qwen2_moe    -      config     quantize  -       attn w8a8
 glm4_moe       glm4_moe     -      desc.      moe_q.    model   rope_scaling,
@@ -121,6 +122,8 @@ class MindieModel:
     uniform: bool = False
     attn: str | None = None
     attn_bias: bool = False
+    #: why ``--target mindie`` refuses the family although MindIE has a model
+    refusal: str | None = None
     dtype: str | None = None
     fa3_dtypes: tuple[str, ...] = ("float16", "bfloat16")
     config_keys: tuple[str, ...] = ()
@@ -213,8 +216,21 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             "mistral",
             model="llama",
             **_GQA,
+            quantize_from="config.json",
+            refusal=(
+                "its router builds LlamaConfig.from_pretrained(config.json) and reads "
+                "neither the description's model_quant_type nor its fa_quant_type "
+                "(the quantized linears load as float: ValueError 'linear type not "
+                "matched'; FA3 is built only from a quantization_config in "
+                "config.json, which vLLM-based consumers take as the whole "
+                "description); use --target vllm-ascend or vllm"
+            ),
             citations=(
                 _c("models/mistral/router_mistral.py", "L19 model_type llama"),
+                _c(
+                    "models/mistral/router_mistral.py",
+                    "L22-27 get_config: LlamaConfig.from_pretrained (config.json only)",
+                ),
                 _BASE_FA3,
                 _c("models/llama/flash_causal_llama.py", "L210 enableFA3"),
             ),
@@ -247,8 +263,13 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             moe_quantize=True,
             shared="model",
             fa3_dtypes=("float16",),
+            config_keys=("rope_scaling",),
             citations=(
                 _c("models/__init__.py", "L71-73 deepseek_v3 -> deepseekv2"),
+                _c(
+                    "models/deepseekv2/config_deepseekv2.py",
+                    "L58 __init__(self, rope_scaling, **kwargs): a required argument",
+                ),
                 _c(
                     "models/deepseekv2/modeling_deepseekv2.py",
                     "L141-144 FA3.load_mla reads fa_q.scale, fa_k.scale",
@@ -399,6 +420,8 @@ def mindie_refusal(
             "mindie_llm/runtime/models folder: NotImplementedError 'unsupported "
             f"model type'); use --target vllm-ascend or vllm ({m.cites()})"
         )
+    if m.refusal is not None:
+        return f"{head}: {m.refusal} ({m.cites()})"
     if m.uniform and not merge and linear_type == "W8A8":
         return (
             f"{head} with --linear w8a8: its model loads every linear, the routed "
@@ -523,6 +546,8 @@ def mindie_findings(
             f"config.json: model_type {t!r}: MindIE 3.0.0 has no model for it "
             f"(NotImplementedError 'unsupported model type'; {m.cites()})"
         ]
+    if m.refusal is not None:
+        out.append(f"config.json: model_type {t!r}: MindIE 3.0.0's {m.refusal}")
     fa = desc.get("fa_quant_type")
     if fa is not None and m.fa3 is None:
         out.append(

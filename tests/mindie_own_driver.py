@@ -142,7 +142,14 @@ def _contains(m, f) -> bool:
     for r in range(m2.shape[0] - n + 1):
         if torch.equal(m2[r : r + n], f2):
             return True
-    return False
+    # MLA permutes the RoPE rows of q_proj / kv_a_proj_with_mqa
+    # (utils/layers/attention/process_mla_linear.py): every row of f, as a
+    # multiset, among m's rows
+    from collections import Counter
+
+    have = Counter(bytes(r.contiguous().view(torch.uint8).numpy()) for r in m2)
+    want = Counter(bytes(r.contiguous().view(torch.uint8).numpy()) for r in f2)
+    return all(have[k] >= v for k, v in want.items())
 
 
 def _held(kind: str, name: str, f, module_tensors: dict, dtype) -> bool:
@@ -271,7 +278,9 @@ def run_one(path: Path, src: Path) -> dict:
                 mapping=mapping,
                 lazy_loading_file_handlers=False,
             )
-            # model_runner.py L585-599 init_model (a fresh runner's kwargs)
+            # model_runner.py L585-599 init_model (a fresh runner's kwargs; the
+            # server passes num_speculative_tokens, 0 without speculation:
+            # mindie_llm/runtime/config/mindie_llm_config.py L51)
             model = model_cls(
                 config,
                 weights,
@@ -280,7 +289,7 @@ def run_one(path: Path, src: Path) -> dict:
                 trust_remote_code=False,
                 lora_model_config=None,
                 lora_adapter=None,
-                num_speculative_tokens=None,
+                num_speculative_tokens=0,
                 distributed_enable=False,
                 max_batch_size=-1,
                 llm_config=router.llm_config,
@@ -303,7 +312,14 @@ def run_one(path: Path, src: Path) -> dict:
         for c in atb_speed_torch.CREATED
     ]
     files = _file_tensors(path)
-    rec["fa_unread"] = sorted(n for n in files if ".fa_" in n and n not in asked)
+    # an attention whose fa_* tensors MindIE never reads (MLA's FA3.load_mla reads
+    # fa_q.scale and fa_k.scale: the latent is K and V; the offsets and fa_v of
+    # msModelSlim's format ride along, fa3.py load_mla)
+    read = {n.split(".fa_")[0] for n in asked if ".fa_" in n}
+    rec["fa_unread"] = sorted(
+        n for n in files if ".fa_" in n and n.split(".fa_")[0] not in read
+    )
+    rec["fa_read"] = sorted(n for n in files if ".fa_" in n and n in asked)
     if model is None:
         return rec
     held = _module_tensors(model)
@@ -312,6 +328,8 @@ def run_one(path: Path, src: Path) -> dict:
     desc = json.loads(dfile.read_text()) if dfile.is_file() else {}
     unheld = []
     for name, kind in _checked(files, desc).items():
+        if name.split(".")[-2].startswith("fa_") and name not in asked:
+            continue  # an fa_* tensor MindIE does not read (see fa_unread)
         if not _held(kind, name, files[name], held, dtype):
             unheld.append(name)
     rec["unheld"] = sorted(unheld)

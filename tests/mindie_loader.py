@@ -41,10 +41,11 @@ ROUTES = {
 }
 #: MindIE: the routers that override the base ``config`` property and never read
 #: quant_model_description.json (qwen2_moe/router_qwen2_moe.py L22-29,
-#: qwen3_moe/router_qwen3_moe.py L29-34); the others take
+#: qwen3_moe/router_qwen3_moe.py L29-34; mistral/router_mistral.py L22-27:
+#: LlamaConfig.from_pretrained, config.json only); the others take
 #: ``quantize = model_quant_type.lower()`` (base/router.py L217-218) and the
 #: description into ``quantization_config`` (fa_quant_type included, L227-233).
-CONFIG_ONLY_ROUTERS = ("qwen2_moe", "qwen3_moe")
+CONFIG_ONLY_ROUTERS = ("qwen2_moe", "qwen3_moe", "mistral")
 #: MindIE: the models that build FA3 when fa_quant_type is set: base/modeling.py
 #: L96-97 (llama), qwen2/modeling_qwen2.py L147-149, deepseekv2/
 #: modeling_deepseekv2.py L141-144 (FA3.load_mla: fa_q.scale and fa_k.scale only,
@@ -66,8 +67,20 @@ MOE_QUANTIZE_READERS = ("deepseekv2", "glm4_moe", "mixtral")
 #: model-level quantize (weight_wrapper.py L154-158 reads a w8a8 linear's
 #: quant_bias and deq_scale).
 GRAPH_MODEL_LEVEL_EXPERTS = ("mixtral",)
-#: MindIE: glm4_moe/config_glm4_moe.py L51 ``__init__(self, rope_scaling, **kw)``.
-REQUIRED_CONFIG_KEYS = {"glm4_moe": ("rope_scaling",)}
+#: MindIE: qwen2/modeling_qwen2.py L154-163 (``FlashQwenAttention``, the attention
+#: of qwen2_moe, modeling_qwen2_moe.py L52): the attention loads under
+#: config.json's ``attn_quantize`` when present, else under ``w8a8`` when a "moe"
+#: model's quantize is ``w8a8_dynamic``; glm4_moe/modeling_glm4_moe.py L243-246 reads
+#: ``attn_quantize`` only.
+OWN_ATTN_QUANTIZE = {"qwen2_moe": "w8a8"}
+ATTN_QUANTIZE_READERS = ("qwen2_moe", "glm4_moe")
+#: MindIE: glm4_moe/modeling_glm4_moe.py L254-261: q/k/v loaded with ``bias=True``
+#: whatever ``attention_bias`` says; the others follow ``attention_bias``
+#: (qwen2/modeling_qwen2.py L172-177 ``bias=config.attention_bias``).
+ATTN_BIAS = ("glm4_moe",)
+#: MindIE: glm4_moe/config_glm4_moe.py L51, deepseekv2/config_deepseekv2.py L58
+#: ``__init__(self, rope_scaling, **kw)``.
+REQUIRED_CONFIG_KEYS = {"glm4_moe": ("rope_scaling",), "deepseekv2": ("rope_scaling",)}
 #: MindIE: mixtral/config_mixtral.py L53 ``self.torch_dtype = torch.float16``.
 FORCED_DTYPE = {"mixtral": "float16"}
 
@@ -206,8 +219,16 @@ def _layer(ck: _Checkpoint, load: Load, cfg: dict[str, Any], i: int) -> None:
             heads.append(f"{a}.q_proj")
     else:
         heads = [f"{a}.{n}_proj" for n in ("q", "k", "v", "o")]
+    attn_q = q
+    if load.model in ATTN_QUANTIZE_READERS and cfg.get("attn_quantize") is not None:
+        attn_q = cfg["attn_quantize"]
+    elif load.model in OWN_ATTN_QUANTIZE and q == "w8a8_dynamic":
+        attn_q = OWN_ATTN_QUANTIZE[load.model]
     for lin in heads:
-        _linear(ck, load, lin, q)
+        _linear(ck, load, lin, attn_q)
+    if load.model in ATTN_BIAS or cfg.get("attention_bias"):
+        for lin in heads[:3]:
+            _ask(ck, load, f"{lin}.bias", None)
     if load.fa_quant_type is not None and load.model in FA3:
         # stricter than MindIE: FA3.load_mla falls back to scales of 1 when its
         # two tensors are missing (fa3.py load_mla: except AssertionError)

@@ -164,7 +164,7 @@ def test_w8a8_dynamic_routed_experts_need_transformers5(tmp_path, capsys):
         ("llama", "mindie"),
         ("qwen2", "vllm-ascend"),
         ("qwen3", "vllm"),
-        ("mistral", "mindie"),
+        ("mistral", "vllm"),
         ("deepseek_v3", "mindie"),
     ],
 )

@@ -63,10 +63,9 @@ def test_the_table_agrees_with_the_loader_model(model_type):
     assert (model in mindie_loader.MOE_QUANTIZE_READERS) == m.moe_quantize
     assert mindie_loader.FORCED_DTYPE.get(model) == m.dtype
     assert mindie_loader.REQUIRED_CONFIG_KEYS.get(model, ()) == m.config_keys
-    assert m.uniform == (
-        model in mindie_loader.GRAPH_MODEL_LEVEL_EXPERTS
-        or model_type in mindie_loader.CONFIG_ONLY_ROUTERS
-    )
+    assert m.uniform == (model in mindie_loader.GRAPH_MODEL_LEVEL_EXPERTS)
+    assert m.attn == mindie_loader.OWN_ATTN_QUANTIZE.get(model)
+    assert m.attn_bias == (model in mindie_loader.ATTN_BIAS)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +146,6 @@ def test_dynamic_shared_experts_fail_the_loader_and_inspect(deepseek, tmp_path):
         "llama",
         pytest.param("qwen2", marks=pytest.mark.slow),
         pytest.param("qwen3", marks=pytest.mark.slow),
-        pytest.param("mistral", marks=pytest.mark.slow),
     ],
 )
 def test_dense_families_load_with_every_fa_scale_read(tmp_path, model_type):
@@ -240,3 +238,18 @@ def test_float_linears_where_no_fa3_is_built_are_refused(tmp_path, capsys, model
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and not out.exists()
     assert "builds no FA3" in err[0] and model_type in err[0]
+
+
+def test_mistral_is_refused_before_any_work(tmp_path, capsys):
+    """MindIE's mistral router reads config.json only (LlamaConfig.from_pretrained):
+    neither the description's linear type nor its FA scheme; one line, nothing
+    written. ``inspect`` refuses the same files (a llama artifact under
+    ``model_type`` mistral), and the loader model stops where MindIE does."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    out = tmp_path / "out"
+    assert _calibrate(src, out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and not out.exists()
+    assert "mistral" in err[0] and "router_mistral.py" in err[0]

@@ -65,7 +65,7 @@ from .format import (
     is_meta_key,
     mixed_moe_linears,
 )
-from .mindie_models import mindie_findings
+from .mindie_models import mindie_findings, mindie_model
 from .model_files import rope_findings
 
 __all__ = [
@@ -235,6 +235,9 @@ def _mindie(v: ArtifactView, attns: list[str], out: list[str]) -> None:
             f"({_MINDIE} models/base/router.py, config.py __check_quantize)"
         )
     mixed = mixed_moe_linears({k: v for k, v in desc.items() if isinstance(v, str)})
+    m = mindie_model((v.config or {}).get("model_type"))
+    if m is not None and m.attn is not None:
+        mixed = False  # its own attention quantize: mindie_findings judges it
     if mixed and (v.config or {}).get(MOE_QUANTIZE_KEY) != "w8a8_dynamic":
         out.append(
             f"config.json: {MOE_QUANTIZE_KEY} is not 'w8a8_dynamic' while the MoE "

@@ -17,8 +17,17 @@ what that model does with an artifact:
   ``moe_quantize`` while it builds the routed experts (and restores it after);
 * ``shared``: what the shared experts load under (``"model"``: the model-level
   ``quantize``; None: no shared experts);
-* ``uniform``: every linear must carry one type (no ``moe_quantize`` reader, or
-  a graph that registers the experts with the model-level type);
+* ``uniform``: every linear must carry one type (a graph that registers the
+  experts with the model-level type);
+* ``attn``: the attention's own quantize (``FlashQwenAttention``,
+  ``models/qwen2/modeling_qwen2.py`` L154-163): config.json's ``attn_quantize``
+  when present, else static ``w8a8`` for a "moe" model whose ``quantize`` is
+  ``w8a8_dynamic``; the experts, the shared expert and the dense MLPs load under
+  ``quantize``. What runs best there is MindIE's own default: static W8A8
+  attention (its norm fuses the per-tensor quantization, no per-token quantize
+  before q/k/v/o) next to per-token MLPs, msModelSlim's Qwen3-MoE W8A8 recipe;
+* ``attn_bias``: the attention loads q/k/v biases whatever config.json says
+  (``models/glm4_moe/modeling_glm4_moe.py`` L254-261 ``bias=True``);
 * ``dtype``: the dtype its config class forces; ``fa3_dtypes``: the dtypes its
   FA3 guide supports; ``config_keys``: keys its config class requires.
 
@@ -31,13 +40,15 @@ walk MindIE's load path per family from the same citations
 model_type     model        FA3    quantize   routed    shared  notes
 =============  ===========  =====  =========  ========  ======  ==========
 llama          llama        FAQ    desc.      -         -
-mistral        llama        FAQ    desc.      -         -
+mistral        llama        FAQ    config     -         -       refused
 qwen2          qwen2        FAQ    desc.      -         -
 qwen3          qwen2        FAQ    desc.      -         -
-deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16
-qwen2_moe      qwen2_moe    -      config     quantize  model   uniform
-qwen3_moe      qwen2_moe    -      config     quantize  -       uniform
-glm4_moe       glm4_moe     -      desc.      moe_q.    model   rope_scaling
+deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16,
+                                                                rope_scaling
+qwen2_moe      qwen2_moe    -      config     quantize  model   attn w8a8
+qwen3_moe      qwen2_moe    -      config     quantize  -       attn w8a8
+glm4_moe       glm4_moe     -      desc.      moe_q.    model   rope_scaling,
+                                                                q/k/v bias
 mixtral        mixtral      -      desc.      (graph)   -       uniform, fp16
 deepseek_v32   runtime      -      desc.      per name  per n.  torch runtime
 minimax_m2,    none
@@ -80,10 +91,12 @@ __all__ = [
     "MINDIE_MOE_NO_FA3",
     "MINDIE_NO_MODEL",
     "MindieModel",
+    "mindie_attention_biases",
     "mindie_config",
     "mindie_findings",
     "mindie_model",
     "mindie_refusal",
+    "mlp_per_token",
     "shared_in_model_type",
 ]
 
@@ -107,6 +120,10 @@ class MindieModel:
     moe_quantize: bool = False
     shared: str | None = None
     uniform: bool = False
+    attn: str | None = None
+    attn_bias: bool = False
+    #: why ``--target mindie`` refuses the family although MindIE has a model
+    refusal: str | None = None
     dtype: str | None = None
     fa3_dtypes: tuple[str, ...] = ("float16", "bfloat16")
     config_keys: tuple[str, ...] = ()
@@ -167,6 +184,11 @@ _QWEN_MOE_EXPERTS = _c(
     "L28 num_experts: int = 60 (modeling_qwen2_moe.py L114 reads config.num_experts; "
     "a transformers-5 config says num_local_experts)",
 )
+_QWEN_MOE_ATTN = _c(
+    "models/qwen2/modeling_qwen2.py",
+    "L154-163 FlashQwenAttention (qwen2_moe L52): config.attn_quantize, else w8a8 "
+    "for a moe model_type whose quantize is w8a8_dynamic",
+)
 _RUNNER_INT8 = _c(
     "runner/model_runner.py",
     "L290-292 int8 KV cache whenever fa_quant_type == FAQuant",
@@ -194,8 +216,21 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             "mistral",
             model="llama",
             **_GQA,
+            quantize_from="config.json",
+            refusal=(
+                "its router builds LlamaConfig.from_pretrained(config.json) and reads "
+                "neither the description's model_quant_type nor its fa_quant_type "
+                "(the quantized linears load as float: ValueError 'linear type not "
+                "matched'; FA3 is built only from a quantization_config in "
+                "config.json, which vLLM-based consumers take as the whole "
+                "description); use --target vllm-ascend or vllm"
+            ),
             citations=(
                 _c("models/mistral/router_mistral.py", "L19 model_type llama"),
+                _c(
+                    "models/mistral/router_mistral.py",
+                    "L22-27 get_config: LlamaConfig.from_pretrained (config.json only)",
+                ),
                 _BASE_FA3,
                 _c("models/llama/flash_causal_llama.py", "L210 enableFA3"),
             ),
@@ -228,8 +263,13 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             moe_quantize=True,
             shared="model",
             fa3_dtypes=("float16",),
+            config_keys=("rope_scaling",),
             citations=(
                 _c("models/__init__.py", "L71-73 deepseek_v3 -> deepseekv2"),
+                _c(
+                    "models/deepseekv2/config_deepseekv2.py",
+                    "L58 __init__(self, rope_scaling, **kwargs): a required argument",
+                ),
                 _c(
                     "models/deepseekv2/modeling_deepseekv2.py",
                     "L141-144 FA3.load_mla reads fa_q.scale, fa_k.scale",
@@ -253,9 +293,9 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             fa3=None,
             quantize_from="config.json",
             shared="model",
-            uniform=True,
+            attn="w8a8",
             config_aliases=(("num_experts", "num_local_experts"),),
-            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_EXPERTS),
+            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_ATTN, _QWEN_MOE_EXPERTS),
         ),
         MindieModel(
             "qwen3_moe",
@@ -263,9 +303,9 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             model="qwen2_moe",
             fa3=None,
             quantize_from="config.json",
-            uniform=True,
+            attn="w8a8",
             config_aliases=(("num_experts", "num_local_experts"),),
-            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_EXPERTS),
+            citations=(*_QWEN_MOE_ROUTER, _QWEN_MOE_ATTN, _QWEN_MOE_EXPERTS),
         ),
         MindieModel(
             "glm4_moe",
@@ -275,7 +315,13 @@ MINDIE_MODELS: dict[str, MindieModel] = {
             moe_quantize=True,
             shared="model",
             config_keys=("rope_scaling",),
+            attn_bias=True,
             citations=(
+                _c(
+                    "models/glm4_moe/modeling_glm4_moe.py",
+                    "L243-246 attn_quantize; L254-261 q/k/v loaded with bias=True "
+                    "(no attention_bias read)",
+                ),
                 _c(
                     "models/glm4_moe/modeling_glm4_moe.py",
                     "L157-160 quantize = moe_quantize for the routed experts; "
@@ -342,10 +388,21 @@ def mindie_model(model_type: str | None) -> MindieModel | None:
 
 
 def shared_in_model_type(model_type: str | None) -> bool:
-    """Whether MindIE loads ``model_type``'s shared experts under the model-level
-    ``quantize`` (they must then carry ``--linear``'s type, not W8A8_DYNAMIC)."""
+    """Whether MindIE loads ``model_type``'s shared experts under a static
+    model-level ``quantize`` (they must then carry ``--linear``'s type, not
+    W8A8_DYNAMIC)."""
     m = mindie_model(model_type)
-    return m is not None and (m.shared == "model" or m.uniform)
+    return m is not None and m.attn is None and (m.shared == "model" or m.uniform)
+
+
+def mlp_per_token(model_type: str | None) -> bool:
+    """Whether MindIE's model for ``model_type`` loads every linear but the
+    attention's under ``quantize`` and the attention under its own (``attn``):
+    the artifact then runs every MLP linear (dense MLPs, shared and routed
+    experts) per token (W8A8_DYNAMIC, ``quantize`` ``w8a8_dynamic``) under
+    ``--linear``'s attention type."""
+    m = mindie_model(model_type)
+    return m is not None and m.attn is not None
 
 
 def mindie_refusal(
@@ -363,31 +420,96 @@ def mindie_refusal(
             "mindie_llm/runtime/models folder: NotImplementedError 'unsupported "
             f"model type'); use --target vllm-ascend or vllm ({m.cites()})"
         )
+    if m.refusal is not None:
+        return f"{head}: {m.refusal} ({m.cites()})"
     if m.uniform and not merge and linear_type == "W8A8":
         return (
             f"{head} with --linear w8a8: its model loads every linear, the routed "
-            "experts included, under one model-level quantize (no moe_quantize "
-            "reader), and the routed experts are W8A8_DYNAMIC; use --linear "
-            f"w8a8_dynamic ({m.cites()})"
+            "experts included, under one model-level quantize (its graph registers "
+            "the experts with it), and the routed experts are W8A8_DYNAMIC; use "
+            f"--linear w8a8_dynamic ({m.cites()})"
         )
     return None
 
 
+def _attention_names(types: Mapping[str, str]) -> list[str]:
+    return sorted(
+        n.removesuffix(".q_proj.weight")
+        for n in types
+        if n.endswith(".self_attn.q_proj.weight")
+    )
+
+
+def _config_quantize(
+    m: MindieModel, model_quant_type: str, types: Mapping[str, str]
+) -> tuple[str | None, str | None]:
+    """(``quantize``, ``attn_quantize``) a config.json-only router needs for these
+    linear types: ``quantize`` the MLP linears' type (W8A8_DYNAMIC wherever a
+    linear of the MLP is, as every MLP linear loads under it), ``attn_quantize``
+    the attention's type where the model's own choice (``attn``) differs."""
+    if model_quant_type == "FLOAT":
+        return None, None
+    mlp = {t for n, t in types.items() if ".mlp." in n and t in _LINEAR}
+    quantize = "w8a8_dynamic" if "W8A8_DYNAMIC" in mlp else model_quant_type.lower()
+    if m.attn is None:
+        return quantize, None
+    attn = {types.get(f"{a}.q_proj.weight") for a in _attention_names(types)}
+    attn -= {"FLOAT", None}  # a layer whose attention fell back to float loads as is
+    attn_type = next(iter(attn)).lower() if len(attn) == 1 else None
+    implied = m.attn if quantize == "w8a8_dynamic" else quantize
+    if attn_type in ("w8a8", "w8a8_dynamic") and attn_type != implied:
+        return quantize, attn_type
+    return quantize, None
+
+
+def mindie_attention_biases(
+    model_type: str | None, shapes: Mapping[str, tuple[int, ...]]
+) -> list[tuple[str, int]]:
+    """The q/k/v biases MindIE's model for ``model_type`` loads that the
+    checkpoint lacks (``attn_bias``: glm4_moe loads them whatever
+    ``attention_bias`` says), as (name, length): written as exact zeros, the
+    attention's output is unchanged. ``shapes``: the checkpoint's weight shapes."""
+    m = mindie_model(model_type)
+    if m is None or not m.attn_bias:
+        return []
+    out = []
+    for attn in _attention_names(dict.fromkeys(shapes, "")):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            name = f"{attn}.{proj}.bias"
+            weight = shapes.get(f"{attn}.{proj}.weight")
+            if name not in shapes and weight is not None:
+                out.append((name, int(weight[0])))
+    return out
+
+
 def mindie_config(
-    model_type: str | None, model_quant_type: str, mixed: bool, cfg: Mapping[str, Any]
+    model_type: str | None,
+    model_quant_type: str,
+    mixed: bool,
+    cfg: Mapping[str, Any],
+    types: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The config.json keys MindIE's router for ``model_type`` needs beside the
-    source's: ``quantize`` where the router reads only config.json, ``moe_quantize``
-    where the model reads it and the experts differ from the model-level type,
-    a required ``rope_scaling`` (None when the source has none)."""
+    source's: ``quantize`` where the router reads only config.json (the MLP
+    linears' type, ``types`` the description's), ``attn_quantize`` where the
+    attention's type is not the one the model picks itself, ``moe_quantize`` where
+    the model reads it and the experts differ from the model-level type,
+    ``attention_bias`` where the model loads q/k/v biases (written as zeros when
+    the source has none), a required ``rope_scaling`` (None when the source has
+    none)."""
     m = mindie_model(model_type)
     out: dict[str, Any] = {}
     if m is None or m.backend != "atb":  # no model, or the runtime (per linear)
         return {"moe_quantize": "w8a8_dynamic"} if mixed else {}
     if m.quantize_from == "config.json" and model_quant_type != "FLOAT":
-        out["quantize"] = model_quant_type.lower()
+        quantize, attn = _config_quantize(m, model_quant_type, types or {})
+        out["quantize"] = quantize
+        if attn is not None:
+            out["attn_quantize"] = attn
     if m.moe_quantize and mixed:
         out["moe_quantize"] = "w8a8_dynamic"
+    if m.attn_bias and cfg.get("attention_bias") is not True:
+        out["attention_bias"] = True
     for key in m.config_keys:
         if key not in cfg:
             out[key] = None
@@ -424,6 +546,8 @@ def mindie_findings(
             f"config.json: model_type {t!r}: MindIE 3.0.0 has no model for it "
             f"(NotImplementedError 'unsupported model type'; {m.cites()})"
         ]
+    if m.refusal is not None:
+        out.append(f"config.json: model_type {t!r}: MindIE 3.0.0's {m.refusal}")
     fa = desc.get("fa_quant_type")
     if fa is not None and m.fa3 is None:
         out.append(
@@ -432,20 +556,38 @@ def mindie_findings(
         )
     mqt = str(desc.get("model_quant_type") or "").lower()
     types = {k: v for k, v in desc.items() if isinstance(v, str)}
-    if m.quantize_from == "config.json" and cfg.get("quantize") != mqt:
-        out.append(
-            f"config.json: quantize is {cfg.get('quantize')!r}, not {mqt!r}: "
-            f"MindIE's {t} router reads only config.json (not the description), "
-            f"and builds a float model otherwise ({m.cites()})"
-        )
+    if m.quantize_from == "config.json":
+        quantize, attn = _config_quantize(m, mqt.upper() or "FLOAT", types)
+        if cfg.get("quantize") != quantize:
+            out.append(
+                f"config.json: quantize is {cfg.get('quantize')!r}, not {quantize!r}: "
+                f"MindIE's {t} router reads only config.json (not the description), "
+                "loads every MLP linear under it, and builds a float model without "
+                f"it ({m.cites()})"
+            )
+        elif m.attn is not None and cfg.get("attn_quantize") != attn:
+            out.append(
+                f"config.json: attn_quantize is {cfg.get('attn_quantize')!r}, not "
+                f"{attn!r}: without it MindIE's {t} attention loads under "
+                f"{m.attn!r} when quantize is 'w8a8_dynamic', else under quantize "
+                f"({m.cites()})"
+            )
     wrong = _misloaded(m, mqt, types, cfg) if m.backend == "atb" else None
     if wrong:
         name, kind, want = wrong
+        what = {"linear": "linears", "attention": "attention linears"}
         out.append(
             f"{name}: {types[name]} but MindIE 3.0.0 loads {t}'s {kind} "
-            f"{'linears' if kind == 'linear' else 'experts'} under quantize "
-            f"{want!r} ({m.cites()})"
+            f"{what.get(kind, 'experts')} under quantize {want!r} ({m.cites()})"
         )
+    if m.attn_bias:
+        for attn_name in _attention_names(types):
+            if f"{attn_name}.q_proj.bias" not in types:
+                out.append(
+                    f"{attn_name}.q_proj.bias: missing; MindIE's {t} attention loads "
+                    f"q/k/v biases whatever attention_bias says ({m.cites()})"
+                )
+                break
     for key in m.config_keys:
         if key not in cfg:
             out.append(
@@ -464,15 +606,28 @@ def mindie_findings(
 def _misloaded(
     m: MindieModel, mqt: str, types: Mapping[str, str], cfg: Mapping[str, Any]
 ) -> tuple[str, str, str] | None:
-    """The first expert weight whose described type is not the one MindIE loads
+    """The first linear weight whose described type is not the one MindIE loads
     it under: shared experts (and, in a uniform model, every linear) under the
-    model-level ``quantize``; routed experts under ``moe_quantize`` where read."""
+    model-level ``quantize``; routed experts under ``moe_quantize`` where read; in
+    a model with its own attention quantize (``attn``) the attention under it
+    and every other linear under config.json's ``quantize``."""
     moe = mqt
     if m.moe_quantize and not m.uniform:
         moe = str(cfg.get("moe_quantize") or mqt)
+    if m.attn is not None:
+        q = str(cfg.get("quantize") or mqt)
+        attn = cfg.get("attn_quantize") or (m.attn if q == "w8a8_dynamic" else q)
     for name, typ in types.items():
+        if not name.endswith(".weight") or typ not in _LINEAR:
+            continue
+        if m.attn is not None:
+            kind = "attention" if ".self_attn." in name else "linear"
+            want = attn if kind == "attention" else q
+            if typ.lower() != want:
+                return name, kind, want
+            continue
         kind = _expert_kind(name) or ("linear" if m.uniform else None)
-        if not name.endswith(".weight") or typ not in _LINEAR or kind is None:
+        if kind is None:
             continue
         if m.uniform or (kind == "shared" and m.shared == "model"):
             want = mqt

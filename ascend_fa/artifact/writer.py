@@ -62,7 +62,7 @@ from .format import (
     mixed_moe_linears,
 )
 from .lazy import LazyTensors, write_safetensors
-from .mindie_models import mindie_config
+from .mindie_models import mindie_attention_biases, mindie_config
 from .model_files import (
     copy_model_files,
     merged_config,
@@ -452,6 +452,14 @@ def export_artifact(
             )
         fa_scales = scales
         extra = fa_tensors(scales)
+    if target == "mindie":
+        # q/k/v biases MindIE's model loads that the source lacks: exact zeros
+        model_type = (config or {}).get("model_type")
+        qkv = [n for n in state_dict if n.endswith(_QKV)]
+        shapes = {n: tuple(state_dict[n].shape) for n in qkv}
+        biases = mindie_attention_biases(model_type, shapes)
+        extra = {**extra, **{n: torch.zeros(k, dtype=dtype) for n, k in biases}}
+        types.update(dict.fromkeys((n for n, _ in biases), "FLOAT"))
     clash = sorted(set(extra) & set(state_dict))
     if clash:
         raise ValueError(
@@ -495,6 +503,7 @@ def export_artifact(
                         model_quant_type,
                         mixed_moe_linears(types),
                         cfg,
+                        types,
                     )
                 )
             write_json(tmp / CONFIG_FILE, cfg)
@@ -502,6 +511,12 @@ def export_artifact(
             write_json(tmp / REPORT_FILE, report)
         write_extra_files(tmp, extra_files)
     return Path(output)
+
+
+#: An attention's q/k/v weights and biases (checkpoint names).
+_QKV = tuple(
+    f".self_attn.{p}_proj.{t}" for p in ("q", "k", "v") for t in ("weight", "bias")
+)
 
 
 def _load_json(path: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ascend_fa import parallel
-from ascend_fa.artifact.mindie_models import shared_in_model_type
+from ascend_fa.artifact.mindie_models import mlp_per_token, shared_in_model_type
 from ascend_fa.errors import InputError
 from ascend_fa.families import reads_fa
 
@@ -190,6 +190,7 @@ def quantize_linears(
         shared_dynamic=not (
             plan.target == "mindie" and shared_in_model_type(source.model_type)
         ),
+        mlp_dynamic=plan.target == "mindie" and mlp_per_token(source.model_type),
     )
     with source.spilling():
         return calibrate_linears(

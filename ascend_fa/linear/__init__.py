@@ -135,7 +135,7 @@ def calibrate_linears(
     if config.criterion == "layer":
         chooser = None
         if scan:
-            plans = linear_plan(model)
+            plans = linear_plan(model, mlp_dynamic=config.mlp_dynamic)
             total = sum(g.size for p in plans for g in p.groups)
             layers = [p.prefix for p in plans]
             chooser = LayerFallback(config, total, layers=layers)

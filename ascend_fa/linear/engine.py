@@ -44,7 +44,7 @@ from .experts import W8A8DynamicExperts
 from .modules import ARTIFACT_DTYPES, QuantizedLinear, W8A8DynamicLinear, W8A8Linear
 from .norms import fold_into_norm
 from .parallel import StatsSync
-from .plan import LayerPlan, LinearGroup, linear_plan, require_fused_experts
+from .plan import LayerPlan, LinearGroup, configured_plan
 from .search import MAX_DOUBLINGS, GroupDecision, InputStats, decide_group
 from .stack import layer_step
 from .typed_inputs import (
@@ -174,6 +174,7 @@ class LinearConfig:
     rotate: bool = False
     headroom_doublings: float = DEFAULT_HEADROOM_DOUBLINGS
     shared_dynamic: bool = True  # False: shared experts in quant_type (plan doc)
+    mlp_dynamic: bool = False  # True: every group but the attention's per token
 
     def __post_init__(self) -> None:
         if self.quant_type not in ("W8A8", "W8A8_DYNAMIC"):
@@ -616,9 +617,7 @@ def quantize_linears(
     exactly (:class:`~.parallel.StatsSync`).
     """
     t0 = time.perf_counter()
-    plans = linear_plan(model, shared_dynamic=config.shared_dynamic)
-    if config.quant_type == "W8A8_DYNAMIC":
-        require_fused_experts(model, plans)
+    plans = configured_plan(model, config)
     done = [
         n
         for p in plans

@@ -61,6 +61,7 @@ shared experts under the model-level type (MindIE: :func:`shared_in_model_type`)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from torch import nn
 
@@ -72,11 +73,14 @@ from .experts import is_fused_experts
 from .modules import QuantizedLinear, check_linear_shape
 
 __all__ = [
+    "ATTENTION_KINDS",
     "GATED_KINDS",
     "GQA_MODEL_TYPES",
     "LayerPlan",
     "LinearGroup",
+    "configured_plan",
     "linear_plan",
+    "mlp_per_token",
     "require_fused_experts",
     "shared_in_model_type",
 ]
@@ -343,10 +347,13 @@ _LAYER_PLANS = {
 }
 
 
-def linear_plan(model: nn.Module, *, shared_dynamic: bool = True) -> list[LayerPlan]:
+def linear_plan(
+    model: nn.Module, *, shared_dynamic: bool = True, mlp_dynamic: bool = False
+) -> list[LayerPlan]:
     """The quantization plan of ``model`` (one :class:`LayerPlan` per decoder layer);
     ``shared_dynamic`` False puts the shared experts in ``--linear``'s type
-    (:func:`shared_in_model_type`).
+    (:func:`shared_in_model_type`); ``mlp_dynamic`` runs every group but the
+    attention's per token (:func:`mlp_per_token`).
 
     Raises :class:`UnsupportedError` for a model type without a plan, or a linear
     whose shape no consumer's kernel takes (naming it).
@@ -367,7 +374,20 @@ def linear_plan(model: nn.Module, *, shared_dynamic: bool = True) -> list[LayerP
             for name in group.linears:
                 lin = _linear(model, name)
                 check_linear_shape(name, lin.in_features, lin.out_features)
-    return plans if shared_dynamic else shared_in_model_type(plans)
+    plans = plans if shared_dynamic else shared_in_model_type(plans)
+    return mlp_per_token(plans) if mlp_dynamic else plans
+
+
+def configured_plan(model: nn.Module, config: Any) -> list[LayerPlan]:
+    """:func:`linear_plan` under a :class:`~.engine.LinearConfig`'s
+    ``shared_dynamic`` / ``mlp_dynamic``, its experts checked
+    (:func:`require_fused_experts`) when ``--linear`` is W8A8_DYNAMIC."""
+    plans = linear_plan(
+        model, shared_dynamic=config.shared_dynamic, mlp_dynamic=config.mlp_dynamic
+    )
+    if config.quant_type == "W8A8_DYNAMIC":
+        require_fused_experts(model, plans)
+    return plans
 
 
 def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
@@ -383,6 +403,31 @@ def require_fused_experts(model: nn.Module, plans: list[LayerPlan]) -> None:
         require_transformers5(
             f"W8A8_DYNAMIC routed experts ({unfused[0]}: one module per expert)"
         )
+
+
+#: The groups of a decoder layer's attention (the GQA plan).
+ATTENTION_KINDS = ("qkv", "o")
+
+
+def mlp_per_token(plans: list[LayerPlan]) -> list[LayerPlan]:
+    """``plans`` with every group but the attention's (:data:`ATTENTION_KINDS`)
+    per token (W8A8_DYNAMIC): the dense MLPs, the shared and the routed experts.
+    MindIE 3.0.0's Qwen MoE model loads its attention under static ``w8a8`` when
+    ``quantize`` is ``w8a8_dynamic`` and every other linear under ``quantize``
+    (Ascend/MindIE-LLM ``examples/atb_models/atb_llm/models/qwen2/modeling_qwen2.py``
+    @8b4871ad L154-163, ``models/qwen2_moe/modeling_qwen2_moe.py`` L172-243), as
+    msModelSlim's Qwen3-MoE W8A8 recipe quantizes it (msmodelslim 26.1.0
+    ``lab_practice/qwen3_moe/qwen3-30b-a3b-w8a8.yaml`` ``"*.mlp.*": w8a8_dynamic``)."""
+    return [
+        replace(
+            p,
+            groups=[
+                g if g.kind in ATTENTION_KINDS else replace(g, dynamic=True)
+                for g in p.groups
+            ],
+        )
+        for p in plans
+    ]
 
 
 def shared_in_model_type(plans: list[LayerPlan]) -> list[LayerPlan]:

@@ -265,7 +265,8 @@ def render_results(path: Path, link: str) -> str:
 
 # ---------------------------------------------------------------- support matrix
 _FAMILY_ROWS = (
-    ("llama", "mistral"),
+    ("llama",),
+    ("mistral",),
     ("qwen2",),
     ("qwen3",),
     ("qwen3_moe",),
@@ -286,8 +287,12 @@ def _mindie_cell(model_type: str) -> str:
     m = mindie_model(model_type)
     if m is None or m.model is None:
         return "no model"
+    if m.refusal is not None:
+        return "refused"
     if m.fa3 is not None:
         return f"{m.fa3} + W8A8"
+    if m.attn is not None:
+        return f"linears only ({m.attn.upper()} attention, W8A8_DYNAMIC MLP)"
     return "linears only (W8A8_DYNAMIC)" if m.uniform else "linears only"
 
 

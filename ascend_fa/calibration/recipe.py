@@ -25,6 +25,31 @@ processor type other than ``fa3_quant`` raises :class:`RecipeError`, whose messa
 names the YAML path (``spec.process[0].ratio.q``) and line. Top-level ``apiversion``
 and ``metadata`` and the ``spec`` sections ``save`` and ``dataset`` of msModelSlim
 recipes are accepted and ignored.
+
+A recipe is the whole run: besides ``spec.process`` it holds every choice
+``ascend-fa calibrate`` makes (all optional; a missing key takes the flag's
+default)::
+
+    spec:
+      source: {model: null, gguf_file: null, merge_into: null, streaming: false,
+               max_memory: null, cache: true}
+      data: {path: null, num_samples: 32, max_length: 512, batch_size: 4, seed: 0,
+             heldout: 4}
+      target: {consumer: mindie, release: null, dtype: bf16, kv_strategy: tensor}
+      linears: {scheme: null, fallback: auto, criterion: layer, headroom: null}
+      rotation: auto
+      transforms: []
+      attention: {clip_search: false, error_budget: null}
+      export: {max_shard_size: 5GB, picture_report: true}
+      backend: null
+      process: [...]
+
+:data:`RECIPE_FLAGS` maps each key to its ``calibrate`` flag; a flag given
+explicitly wins over the recipe (:meth:`Recipe.flag_values`). Relative paths in a
+recipe file are relative to the file's directory. :func:`dump_recipe` writes a
+recipe back as YAML (``calibrate`` stores the resolved recipe of a run beside the
+weights, :data:`~ascend_fa.artifact.RECIPE_FILE`), and loading that text gives the
+same recipe.
 """
 
 from __future__ import annotations
@@ -32,17 +57,19 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
+import math
 import os
 import re
 import warnings
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -62,7 +89,17 @@ __all__ = [
     "BranchSettings",
     "FA3QuantConfig",
     "Recipe",
+    "SourceSettings",
+    "DataSettings",
+    "TargetSettings",
+    "LinearSettings",
+    "AttentionSettings",
+    "ExportSettings",
+    "RECIPE_FLAGS",
+    "RECIPE_API_VERSION",
+    "PATH_KEYS",
     "load_recipe",
+    "dump_recipe",
     "default_recipe",
     "check_patterns",
     "expand_braces",
@@ -308,16 +345,278 @@ class FA3QuantConfig(_Strict):
         )
 
 
+def _check_size(v: str | int | None) -> str | int | None:
+    """A byte size as ``calibrate`` takes it: ``5GB``, ``500MiB`` or bytes."""
+    if v is None:
+        return v
+    from ascend_fa.artifact.writer import parse_size
+
+    try:
+        parse_size(v)
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
+    return v
+
+
+class SourceSettings(_Strict):
+    """What is calibrated, and how it is read (``spec.source``)."""
+
+    model: StrictStr | None = None
+    gguf_file: StrictStr | None = None
+    merge_into: StrictStr | None = None
+    streaming: StrictBool = False
+    max_memory: StrictStr | StrictInt | None = None
+    cache: StrictBool = True
+
+    _size = field_validator("max_memory")(_check_size)
+
+
+class DataSettings(_Strict):
+    """The calibration text and how it is split and batched (``spec.data``)."""
+
+    path: StrictStr | None = None
+    num_samples: StrictInt = Field(default=32, gt=0)
+    max_length: StrictInt = Field(default=512, gt=0)
+    batch_size: StrictInt = Field(default=4, gt=0)
+    seed: StrictInt = 0
+    heldout: StrictInt = Field(default=4, ge=0)
+
+
+class TargetSettings(_Strict):
+    """The consumer written for (``spec.target``)."""
+
+    consumer: Literal["mindie", "vllm-ascend", "vllm"] = "mindie"
+    release: StrictStr | None = None
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    kv_strategy: Literal["tensor", "attn_head"] = "tensor"
+
+    @field_validator("release", mode="before")
+    @classmethod
+    def _release_text(cls, v: Any) -> Any:
+        # YAML reads an unquoted 3.0 as a number: a release is its text
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return str(v)
+        return v
+
+
+class LinearSettings(_Strict):
+    """How the linears are quantized (``spec.linears``)."""
+
+    scheme: Literal["w8a8", "w8a8_dynamic", "none"] | None = None
+    fallback: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] = "auto"
+    criterion: Literal["layer", "kl"] = "layer"
+    headroom: StrictFloat | None = None
+
+    @field_validator("headroom")
+    @classmethod
+    def _doublings(cls, v: float | None) -> float | None:
+        from ascend_fa.linear.search import MAX_DOUBLINGS
+
+        if v is not None and not 0.0 <= v <= MAX_DOUBLINGS:
+            raise ValueError(
+                f"headroom must be a number of doublings in [0, {MAX_DOUBLINGS:g}], "
+                f"got {v!r}"
+            )
+        return None if v is None else float(v)
+
+
+class AttentionSettings(_Strict):
+    """What the attention pass does besides ``spec.process`` (``spec.attention``)."""
+
+    clip_search: StrictBool = False
+    error_budget: StrictFloat | None = None
+
+    @field_validator("error_budget")
+    @classmethod
+    def _kl(cls, v: float | None) -> float | None:
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"error_budget must be a mean token KL >= 0, got {v!r}")
+        return None if v is None else float(v)
+
+
+class ExportSettings(_Strict):
+    """How the artifact is written (``spec.export``)."""
+
+    max_shard_size: StrictStr | StrictInt = "5GB"
+    picture_report: StrictBool = True
+
+    _size = field_validator("max_shard_size")(_check_size)
+
+
+def _yaml_on_off(v: Any) -> Any:
+    # YAML 1.1 reads a bare on / off as a boolean
+    return {True: "on", False: "off"}[v] if isinstance(v, bool) else v
+
+
+def _folding_order(v: list[str]) -> list[str]:
+    from ascend_fa.transforms.attention import ATTENTION_TRANSFORMS
+
+    if len(set(v)) != len(v):
+        raise ValueError(f"a transform is listed twice: {v}")
+    return [t for t in ATTENTION_TRANSFORMS if t in v]
+
+
+Rotation = Literal["auto", "on", "off"]
+Transform = Literal["v-rotation", "qk-smoothing"]
+
+#: ``calibrate`` argument -> the recipe key it overrides (dotted under ``spec``).
+#: A flag given explicitly wins over the recipe; a flag not given takes the
+#: recipe's value, and a key the recipe leaves out takes the default above.
+RECIPE_FLAGS: dict[str, str] = {
+    "model": "source.model",
+    "gguf_file": "source.gguf_file",
+    "merge_into": "source.merge_into",
+    "streaming": "source.streaming",
+    "max_memory": "source.max_memory",
+    "cache": "source.cache",
+    "calib_data": "data.path",
+    "num_samples": "data.num_samples",
+    "max_length": "data.max_length",
+    "batch_size": "data.batch_size",
+    "seed": "data.seed",
+    "heldout": "data.heldout",
+    "target": "target.consumer",
+    "consumer_version": "target.release",
+    "dtype": "target.dtype",
+    "kv_strategy": "target.kv_strategy",
+    "linear": "linears.scheme",
+    "linear_fallback": "linears.fallback",
+    "linear_fallback_criterion": "linears.criterion",
+    "linear_headroom": "linears.headroom",
+    "rotate": "rotation",
+    "transforms": "transforms",
+    "clip_search": "attention.clip_search",
+    "error_budget": "attention.error_budget",
+    "max_shard_size": "export.max_shard_size",
+    "picture_report": "export.picture_report",
+    "backend": "backend",
+}
+#: Recipe keys holding paths: relative ones are relative to the recipe file.
+PATH_KEYS = ("source.model", "source.merge_into", "data.path")
+
+
 class Recipe(_Strict):
-    """The FA3 processors of a recipe, in order."""
+    """A whole ``calibrate`` run: the FA3 processors (``spec.process``), in order,
+    and every other choice of the run, one section each (see the module)."""
 
     processors: list[FA3QuantConfig] = Field(default_factory=list)
+    source: SourceSettings = Field(default_factory=SourceSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    target: TargetSettings = Field(default_factory=TargetSettings)
+    linears: LinearSettings = Field(default_factory=LinearSettings)
+    rotation: Rotation = "auto"
+    transforms: list[Transform] = Field(default_factory=list)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    backend: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+
+    _on_off = field_validator("rotation", mode="before")(_yaml_on_off)
+    _order = field_validator("transforms")(_folding_order)
+
+    def get(self, key: str) -> Any:
+        """The value at a dotted recipe key (``"data.num_samples"``)."""
+        value: Any = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+    def flag_values(self) -> dict[str, Any]:
+        """``{calibrate argument: value}`` for every key of :data:`RECIPE_FLAGS`
+        (what a run takes where no flag is given)."""
+        return {flag: self.get(key) for flag, key in RECIPE_FLAGS.items()}
+
+    def with_values(self, values: dict[str, Any]) -> Recipe:
+        """A validated copy with ``{dotted key: value}`` set (``ValueError``
+        naming the key for a value the schema refuses)."""
+        data = self.model_dump()
+        for key, value in values.items():
+            *parents, last = key.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            node[last] = value
+        try:
+            return Recipe.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = _fmt_path(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ValueError(f"recipe key {where}: {msg}") from None
+
+    def to_document(self) -> dict[str, Any]:
+        """The recipe as the YAML document :func:`load_recipe` reads."""
+        spec: dict[str, Any] = {}
+        for name in (
+            "source",
+            "data",
+            "target",
+            "linears",
+            "rotation",
+            "transforms",
+            "attention",
+            "export",
+            "backend",
+        ):
+            value = getattr(self, name)
+            spec[name] = value.model_dump() if isinstance(value, BaseModel) else value
+            if name == "transforms":
+                spec[name] = list(value)
+        spec["process"] = [_item_document(p) for p in self.processors]
+        doc: dict[str, Any] = {"apiversion": RECIPE_API_VERSION}
+        if self.metadata is not None:
+            doc["metadata"] = self.metadata
+        doc["spec"] = spec
+        return doc
+
+
+def _item_document(item: FA3QuantConfig) -> dict[str, Any]:
+    """One ``fa3_quant`` item with every setting written (branch overrides only
+    where set)."""
+    out = item.model_dump()
+    for branch in FA_BRANCHES:
+        if out[branch] is None:
+            del out[branch]
+        else:
+            out[branch] = {k: v for k, v in out[branch].items() if v is not None}
+    return out
+
+
+#: ``apiversion`` written by :func:`dump_recipe` (any text is read).
+RECIPE_API_VERSION = "v1"
+
+
+def dump_recipe(recipe: Recipe, *, header: str = "") -> str:
+    """``recipe`` as YAML text (every key written, in a fixed order: the same
+    recipe always gives the same bytes); ``header`` lines go first as comments.
+    :func:`load_recipe` of the text gives ``recipe`` back."""
+    body = yaml.safe_dump(
+        recipe.to_document(),
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=88,
+    )
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comments + body
 
 
 class _Spec(_Strict):
     process: list[FA3QuantConfig]
+    source: SourceSettings = Field(default_factory=SourceSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    target: TargetSettings = Field(default_factory=TargetSettings)
+    linears: LinearSettings = Field(default_factory=LinearSettings)
+    rotation: Rotation = "auto"
+    transforms: list[Transform] = Field(default_factory=list)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    backend: StrictStr | None = None
     save: Any = None
     dataset: Any = None
+
+    _on_off = field_validator("rotation", mode="before")(_yaml_on_off)
+    _order = field_validator("transforms")(_folding_order)
 
     @field_validator("process")
     @classmethod
@@ -399,7 +698,8 @@ def _format_errors(
             where += f" (line {line})"
         if f"{where}: {msg}" not in msgs:  # a scalar ratio fails once per branch
             msgs.append(f"{where}: {msg}")
-    return "invalid recipe:\n  " + "\n  ".join(msgs)
+    # one line: every problem, each naming the file, the key and its line
+    return "invalid recipe: " + "; ".join(msgs)
 
 
 # libyaml's parser when PyYAML has it: the pure-Python scanner is ~10x slower.
@@ -480,6 +780,7 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     """
     text: str
     source: str
+    base_dir: str | None = None
     candidate = os.fspath(path_or_text)
     if isinstance(path_or_text, os.PathLike) or (
         "\n" not in candidate and os.path.isfile(candidate)
@@ -490,7 +791,8 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
             text = read_text(candidate, limit=MAX_RECIPE_BYTES, what="recipe")
         except AscendFAError as exc:
             raise RecipeError(str(exc), path=exc.path) from None
-        source = os.path.basename(candidate)
+        source = candidate
+        base_dir = os.path.dirname(os.path.abspath(candidate))
     elif candidate.strip() and "\n" not in candidate and ":" not in candidate:
         raise RecipeError(f"recipe file not found: {candidate}")
     else:
@@ -504,7 +806,28 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
         parsed = _RecipeFile.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(_format_errors(exc, lines, source)) from None
-    return Recipe(processors=list(parsed.spec.process))
+    spec = parsed.spec
+    recipe = Recipe(
+        processors=list(spec.process),
+        source=spec.source,
+        data=spec.data,
+        target=spec.target,
+        linears=spec.linears,
+        rotation=spec.rotation,
+        transforms=list(spec.transforms),
+        attention=spec.attention,
+        export=spec.export,
+        backend=spec.backend,
+        metadata=parsed.metadata,
+    )
+    if base_dir is None:
+        return recipe
+    relative = {
+        key: os.path.join(base_dir, value)
+        for key in PATH_KEYS
+        if isinstance(value := recipe.get(key), str) and not os.path.isabs(value)
+    }
+    return recipe.with_values(relative) if relative else recipe
 
 
 def check_patterns(

@@ -57,19 +57,17 @@ from __future__ import annotations
 import fnmatch
 import functools
 import logging
-import math
 import os
 import re
 import warnings
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
@@ -79,8 +77,32 @@ from pydantic import (
 )
 
 from ascend_fa.adapters.placeholder import FA_BRANCHES
-from ascend_fa.errors import AscendFAError, FileFormatError
+from ascend_fa.errors import AscendFAError
 from ascend_fa.safe_files import read_text
+
+from .recipe_sections import (
+    PATH_KEYS,
+    RECIPE_FLAGS,
+    AttentionSettings,
+    DataSettings,
+    ExportSettings,
+    LinearSettings,
+    Rotation,
+    SourceSettings,
+    TargetSettings,
+    Transform,
+    folding_order,
+    yaml_on_off,
+)
+from .recipe_yaml import (
+    MAX_RECIPE_BYTES,
+    MAX_RECIPE_DEPTH,
+    RecipeError,
+    format_errors,
+    node_lines,
+    parse_document,
+    yaml_path,
+)
 
 __all__ = [
     "RecipeError",
@@ -117,10 +139,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROCESSOR_TYPE = "fa3_quant"
-#: Largest recipe document, in bytes (the packaged recipes are under 2 KiB).
-MAX_RECIPE_BYTES = 64 * 1024
-#: Deepest nesting of YAML collections in a recipe.
-MAX_RECIPE_DEPTH = 32
 #: Longest include/exclude pattern, its brace groups, and the patterns it expands
 #: to; patterns per include/exclude list; expanded patterns in the whole recipe.
 MAX_PATTERN_CHARS = 1024
@@ -135,11 +153,6 @@ Method = Literal["recall_window", "minmax", "abs_quantile"]
 Accumulate = Literal["union", "pooled"]
 # StrictFloat takes ints (1 -> 1.0) but not strings or bools.
 Ratio = StrictFloat
-
-
-class RecipeError(FileFormatError):
-    """A recipe failed to parse or validate; the message names path and line (a
-    :class:`~ascend_fa.errors.FileFormatError`, so also a ``ValueError``)."""
 
 
 def _check_ratio_value(v: float | None) -> float | None:
@@ -345,156 +358,6 @@ class FA3QuantConfig(_Strict):
         )
 
 
-def _check_size(v: str | int | None) -> str | int | None:
-    """A byte size as ``calibrate`` takes it: ``5GB``, ``500MiB`` or bytes."""
-    if v is None:
-        return v
-    from ascend_fa.artifact.writer import parse_size
-
-    try:
-        parse_size(v)
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
-    return v
-
-
-class SourceSettings(_Strict):
-    """What is calibrated, and how it is read (``spec.source``)."""
-
-    model: StrictStr | None = None
-    gguf_file: StrictStr | None = None
-    merge_into: StrictStr | None = None
-    streaming: StrictBool = False
-    max_memory: StrictStr | StrictInt | None = None
-    cache: StrictBool = True
-
-    _size = field_validator("max_memory")(_check_size)
-
-
-class DataSettings(_Strict):
-    """The calibration text and how it is split and batched (``spec.data``)."""
-
-    path: StrictStr | None = None
-    num_samples: StrictInt = Field(default=32, gt=0)
-    max_length: StrictInt = Field(default=512, gt=0)
-    batch_size: StrictInt = Field(default=4, gt=0)
-    seed: StrictInt = 0
-    heldout: StrictInt = Field(default=4, ge=0)
-
-
-class TargetSettings(_Strict):
-    """The consumer written for (``spec.target``)."""
-
-    consumer: Literal["mindie", "vllm-ascend", "vllm"] = "mindie"
-    release: StrictStr | None = None
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    kv_strategy: Literal["tensor", "attn_head"] = "tensor"
-
-    @field_validator("release", mode="before")
-    @classmethod
-    def _release_text(cls, v: Any) -> Any:
-        # YAML reads an unquoted 3.0 as a number: a release is its text
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return str(v)
-        return v
-
-
-class LinearSettings(_Strict):
-    """How the linears are quantized (``spec.linears``)."""
-
-    scheme: Literal["w8a8", "w8a8_dynamic", "none"] | None = None
-    fallback: Literal["auto"] | Annotated[StrictInt, Field(ge=0)] = "auto"
-    criterion: Literal["layer", "kl"] = "layer"
-    headroom: StrictFloat | None = None
-
-    @field_validator("headroom")
-    @classmethod
-    def _doublings(cls, v: float | None) -> float | None:
-        from ascend_fa.linear.search import MAX_DOUBLINGS
-
-        if v is not None and not 0.0 <= v <= MAX_DOUBLINGS:
-            raise ValueError(
-                f"headroom must be a number of doublings in [0, {MAX_DOUBLINGS:g}], "
-                f"got {v!r}"
-            )
-        return None if v is None else float(v)
-
-
-class AttentionSettings(_Strict):
-    """What the attention pass does besides ``spec.process`` (``spec.attention``)."""
-
-    clip_search: StrictBool = False
-    error_budget: StrictFloat | None = None
-
-    @field_validator("error_budget")
-    @classmethod
-    def _kl(cls, v: float | None) -> float | None:
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"error_budget must be a mean token KL >= 0, got {v!r}")
-        return None if v is None else float(v)
-
-
-class ExportSettings(_Strict):
-    """How the artifact is written (``spec.export``)."""
-
-    max_shard_size: StrictStr | StrictInt = "5GB"
-    picture_report: StrictBool = True
-
-    _size = field_validator("max_shard_size")(_check_size)
-
-
-def _yaml_on_off(v: Any) -> Any:
-    # YAML 1.1 reads a bare on / off as a boolean
-    return {True: "on", False: "off"}[v] if isinstance(v, bool) else v
-
-
-def _folding_order(v: list[str]) -> list[str]:
-    from ascend_fa.transforms.attention import ATTENTION_TRANSFORMS
-
-    if len(set(v)) != len(v):
-        raise ValueError(f"a transform is listed twice: {v}")
-    return [t for t in ATTENTION_TRANSFORMS if t in v]
-
-
-Rotation = Literal["auto", "on", "off"]
-Transform = Literal["v-rotation", "qk-smoothing"]
-
-#: ``calibrate`` argument -> the recipe key it overrides (dotted under ``spec``).
-#: A flag given explicitly wins over the recipe; a flag not given takes the
-#: recipe's value, and a key the recipe leaves out takes the default above.
-RECIPE_FLAGS: dict[str, str] = {
-    "model": "source.model",
-    "gguf_file": "source.gguf_file",
-    "merge_into": "source.merge_into",
-    "streaming": "source.streaming",
-    "max_memory": "source.max_memory",
-    "cache": "source.cache",
-    "calib_data": "data.path",
-    "num_samples": "data.num_samples",
-    "max_length": "data.max_length",
-    "batch_size": "data.batch_size",
-    "seed": "data.seed",
-    "heldout": "data.heldout",
-    "target": "target.consumer",
-    "consumer_version": "target.release",
-    "dtype": "target.dtype",
-    "kv_strategy": "target.kv_strategy",
-    "linear": "linears.scheme",
-    "linear_fallback": "linears.fallback",
-    "linear_fallback_criterion": "linears.criterion",
-    "linear_headroom": "linears.headroom",
-    "rotate": "rotation",
-    "transforms": "transforms",
-    "clip_search": "attention.clip_search",
-    "error_budget": "attention.error_budget",
-    "max_shard_size": "export.max_shard_size",
-    "picture_report": "export.picture_report",
-    "backend": "backend",
-}
-#: Recipe keys holding paths: relative ones are relative to the recipe file.
-PATH_KEYS = ("source.model", "source.merge_into", "data.path")
-
-
 class Recipe(_Strict):
     """A whole ``calibrate`` run: the FA3 processors (``spec.process``), in order,
     and every other choice of the run, one section each (see the module)."""
@@ -511,8 +374,8 @@ class Recipe(_Strict):
     backend: StrictStr | None = None
     metadata: dict[str, Any] | None = None
 
-    _on_off = field_validator("rotation", mode="before")(_yaml_on_off)
-    _order = field_validator("transforms")(_folding_order)
+    _on_off = field_validator("rotation", mode="before")(yaml_on_off)
+    _order = field_validator("transforms")(folding_order)
 
     def get(self, key: str) -> Any:
         """The value at a dotted recipe key (``"data.num_samples"``)."""
@@ -540,7 +403,7 @@ class Recipe(_Strict):
             return Recipe.model_validate(data)
         except ValidationError as exc:
             err = exc.errors()[0]
-            where = _fmt_path(err["loc"])
+            where = yaml_path(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             raise ValueError(f"recipe key {where}: {msg}") from None
 
@@ -615,8 +478,8 @@ class _Spec(_Strict):
     save: Any = None
     dataset: Any = None
 
-    _on_off = field_validator("rotation", mode="before")(_yaml_on_off)
-    _order = field_validator("transforms")(_folding_order)
+    _on_off = field_validator("rotation", mode="before")(yaml_on_off)
+    _order = field_validator("transforms")(folding_order)
 
     @field_validator("process")
     @classmethod
@@ -643,130 +506,6 @@ class _RecipeFile(_Strict):
 def default_recipe() -> Recipe:
     """Every attention module, seed defaults (Q/K ratio 0.9999, V 1.0, union)."""
     return Recipe(processors=[FA3QuantConfig()])
-
-
-def _node_lines(
-    node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int]
-) -> None:
-    out[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            k = key.value
-            _node_lines(value, path + (k,), out)
-            # A key's path points at the key's own line (a block value starts later).
-            out[path + (k,)] = key.start_mark.line + 1
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _node_lines(item, path + (i,), out)
-
-
-def _fmt_path(loc: Iterable[Any]) -> str:
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += ("." if text else "") + str(part)
-    return text or "<root>"
-
-
-def _format_errors(
-    exc: ValidationError, lines: dict[tuple[Any, ...], int], source: str
-) -> str:
-    msgs = []
-    for err in exc.errors():
-        # Pydantic puts the failing member of a union or tagged type into loc as a
-        # non-key string (e.g. "float"); keep only the parts that exist in the YAML.
-        loc = tuple(err["loc"])
-        path: tuple[Any, ...] = ()
-        line = lines.get((), None)
-        for part in loc:
-            if path + (part,) in lines:
-                path = path + (part,)
-                line = lines[path]
-            elif err["type"] in ("extra_forbidden", "missing") and part == loc[-1]:
-                path = path + (part,)
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key {str(path[-1])!r}"
-        elif err["type"] == "missing":
-            msg = f"missing required key {str(path[-1])!r}"
-        elif "input" in err and err["type"] not in ("missing", "value_error"):
-            msg += f" (got {err['input']!r})"
-        where = f"{source}: {_fmt_path(path)}"
-        if line is not None:
-            where += f" (line {line})"
-        if f"{where}: {msg}" not in msgs:  # a scalar ratio fails once per branch
-            msgs.append(f"{where}: {msg}")
-    # one line: every problem, each naming the file, the key and its line
-    return "invalid recipe: " + "; ".join(msgs)
-
-
-# libyaml's parser when PyYAML has it: the pure-Python scanner is ~10x slower.
-_SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _RecipeLoader(_SAFE_LOADER):  # type: ignore[misc, valid-type]
-    """The safe loader; with the pure-Python scanner, flow collections are capped
-    at :data:`MAX_RECIPE_DEPTH` levels while scanning (its per-level state makes
-    deep ``[[[[...`` quadratic). Aliases and depth are checked on the event stream
-    first (:func:`_check_events`)."""
-
-    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
-        if self.flow_level >= MAX_RECIPE_DEPTH:
-            raise yaml.scanner.ScannerError(
-                None,
-                None,
-                f"nested more than {MAX_RECIPE_DEPTH} levels deep",
-                self.get_mark(),
-            )
-        super().fetch_flow_collection_start(TokenClass)
-
-
-def _check_events(text: str) -> None:
-    """Refuse aliases (``*name``, and so ``<<:`` merges: each can multiply the
-    document — the "billion laughs" bomb) and nesting deeper than
-    :data:`MAX_RECIPE_DEPTH`, from the parser's events, before anything is
-    built."""
-    depth = 0
-    for event in yaml.parse(text, Loader=_RecipeLoader):
-        if isinstance(event, yaml.AliasEvent):
-            raise yaml.MarkedYAMLError(
-                None,
-                None,
-                "aliases (*name) are not allowed in recipes",
-                event.start_mark,
-            )
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_RECIPE_DEPTH:
-                raise yaml.MarkedYAMLError(
-                    None,
-                    None,
-                    f"nested more than {MAX_RECIPE_DEPTH} levels deep",
-                    event.start_mark,
-                )
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-
-
-def _parse(text: str, source: str) -> tuple[yaml.Node | None, Any]:
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{source}: recipe is larger than {MAX_RECIPE_BYTES} bytes")
-    try:
-        _check_events(text)
-        loader = _RecipeLoader(text)
-        try:
-            node = loader.get_single_node()
-            data = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as exc:
-        msg = " ".join(str(exc).split())
-        raise RecipeError(f"{source}: not valid YAML: {msg}") from None
-    except RecursionError:
-        raise RecipeError(f"{source}: not valid YAML: nested too deeply") from None
-    return node, data
 
 
 def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
@@ -797,15 +536,15 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(f"recipe file not found: {candidate}")
     else:
         text, source = candidate, "<recipe>"
-    node, data = _parse(text, source)
+    node, data = parse_document(text, source)
     if node is None or not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a mapping with a 'spec' key")
     lines: dict[tuple[Any, ...], int] = {}
-    _node_lines(node, (), lines)
+    node_lines(node, (), lines)
     try:
         parsed = _RecipeFile.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_format_errors(exc, lines, source)) from None
+        raise RecipeError(format_errors(exc, lines, source)) from None
     spec = parsed.spec
     recipe = Recipe(
         processors=list(spec.process),

@@ -213,8 +213,12 @@ def calibrate(
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``). Arguments mirror ``ascend-fa calibrate``'s flags
-    (:func:`~.plan.plan_calibration` describes them); bad input raises the typed
-    errors of :mod:`ascend_fa.errors` before any model is loaded."""
+    (:func:`~.plan.plan_calibration` describes them): an argument left at None
+    takes ``recipe``'s value, one given wins over it. The artifact gets the
+    resolved recipe of the run (:data:`~ascend_fa.artifact.RECIPE_FILE`; also
+    :attr:`CalibrationResult.recipe`), which reruns it byte for byte. Bad input
+    raises the typed errors of :mod:`ascend_fa.errors` before any model is
+    loaded."""
     plan = plan_calibration(**locals())  # first: locals() are the arguments
     from ascend_fa.backends import get_backend
 

@@ -14,6 +14,7 @@ A new refusal that needs no model is one more function in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -157,7 +158,7 @@ class CalibrationPlan:
             f"samples: {len(self.calib) or self.num_samples} calibration + "
             f"{len(self.held) or self.heldout} held-out, max length "
             f"{self.max_length}, batch {self.batch_size}, seed {self.seed}",
-            f"recipe: {self.recipe_path or 'given as an object'}",
+            f"recipe: {self.recipe_path or 'given as text or a Recipe'}",
             "options: " + (", ".join(extras) if extras else "none"),
             f"output: {where}",
         ]
@@ -197,7 +198,7 @@ def _read_recipe(recipe: str | Path | Recipe | None) -> tuple[Recipe, Path | Non
         recipe = default_recipe_path()
     loaded = load_recipe(recipe)
     text = str(recipe)
-    is_file = isinstance(recipe, Path) or ("\n" not in text and Path(text).is_file())
+    is_file = isinstance(recipe, Path) or ("\n" not in text and os.path.isfile(text))
     return loaded, Path(text) if is_file else None
 
 
@@ -518,10 +519,9 @@ def _with_inputs(plan: CalibrationPlan) -> CalibrationPlan:
     read."""
     from .data import load_calib_texts, split_calibration
 
-    plan = replace(plan, recipe=resolved_recipe(plan))
     texts = load_calib_texts(plan.calib_data)
     calib, held = split_calibration(texts, plan.num_samples, plan.heldout, plan.seed)
-    return replace(plan, calib=calib, held=held)
+    return replace(plan, recipe=resolved_recipe(plan), calib=calib, held=held)
 
 
 def resolved_recipe(
@@ -616,8 +616,12 @@ def plan_calibration(
 ) -> CalibrationPlan:
     """The plan of ``calibrate(...)`` with these arguments (the same names and
     defaults): each argument parsed, :data:`PREFLIGHT_CHECKS` passed, the recipe
-    and calibration text read. Raises the typed errors of :mod:`ascend_fa.errors`;
-    loads no model and writes nothing.
+    and calibration text read. ``recipe`` (a file, YAML text or a
+    :class:`~.recipe.Recipe`; None: the packaged default) holds every other
+    argument too: an argument given (not None) wins over the recipe's value, and
+    a key the recipe leaves out takes the schema's default (:func:`with_recipe`).
+    Raises the typed errors of :mod:`ascend_fa.errors`; loads no model and writes
+    nothing.
 
     ``linear``: ``"w8a8"``, ``"w8a8_dynamic"`` or ``"none"`` (None: the target's
     default — W8A8 for mindie, W8A8_DYNAMIC for MLA on vllm-ascend, float

@@ -22,13 +22,14 @@ Matching is case-sensitive and ``exclude`` wins over ``include``.
 
 Validation is strict: an unknown key, a wrong type, a ratio outside ``(0, 1]`` or a
 processor type other than ``fa3_quant`` raises :class:`RecipeError`, whose message
-names the YAML path (``spec.process[0].ratio.q``) and line. Top-level ``apiversion``
+names, in one line, the file, the YAML path (``spec.process[0].ratio.q``) and its
+line (:mod:`.recipe_yaml`). Top-level ``apiversion``
 and ``metadata`` and the ``spec`` sections ``save`` and ``dataset`` of msModelSlim
 recipes are accepted and ignored.
 
 A recipe is the whole run: besides ``spec.process`` it holds every choice
-``ascend-fa calibrate`` makes (all optional; a missing key takes the flag's
-default)::
+``ascend-fa calibrate`` makes (all optional; a missing key takes the schema's
+default, :mod:`.recipe_sections`)::
 
     spec:
       source: {model: null, gguf_file: null, merge_into: null, streaming: false,

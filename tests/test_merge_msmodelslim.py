@@ -155,3 +155,25 @@ def test_wrong_descriptions_are_refused(setup, tmp_path, capsys, change, message
     assert message in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
     assert main(["inspect", str(bad)]) == 1  # inspect finds it too
+
+
+def test_merged_export_recipe_reruns_byte_for_byte(setup, tmp_path):
+    """The merge stores its resolved recipe (the export merged into, the linears
+    kept); a rerun of it writes the same files byte for byte."""
+    from ascend_fa.artifact import RECIPE_FILE
+    from ascend_fa.calibration.recipe import load_recipe
+
+    data, src, exports = setup
+    export, _ = exports["W8A8"]
+    out, again = tmp_path / "merged", tmp_path / "again"
+    assert _merge(src, export, out, data, "mindie") == 0
+    recipe = load_recipe(out / RECIPE_FILE)
+    assert recipe.source.merge_into == str(export)
+    assert recipe.linears.scheme == "none"  # the export's own linears are kept
+    rerun = ["calibrate", "--recipe", str(out / RECIPE_FILE), "--output", str(again)]
+    assert main([*rerun, "-q"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        p.name for p in again.iterdir()
+    )
+    for p in out.iterdir():
+        assert p.read_bytes() == (again / p.name).read_bytes(), p.name

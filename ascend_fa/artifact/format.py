@@ -10,6 +10,7 @@ Files of an artifact directory::
     quant_model_description.json         tensor name -> type, plus top-level keys
     quant_model_weights.safetensors      or -0000i-of-0000N shards + .index.json
     calibration_report.json              when a report is given
+    calibration_recipe.yaml              the resolved recipe (``calibrate``)
     tokenizer files                      copied from the source
 
 FA tensors per attention module ``<attn>`` (e.g. ``model.layers.0.self_attn``):
@@ -65,6 +66,7 @@ __all__ = [
     "FA_WEIGHTS_NAME",
     "LEGACY_WEIGHTS_NAME",
     "REPORT_FILE",
+    "RECIPE_FILE",
     "CONFIG_FILE",
     "TOKENIZER_FILES",
     "META_KEYS",
@@ -101,6 +103,9 @@ FA_WEIGHTS_NAME = "quant_model_weights_fa.safetensors"
 #: Weights file name of older msModelSlim W8A8 exports (seed 003).
 LEGACY_WEIGHTS_NAME = "quant_model_weight_w8a8.safetensors"
 REPORT_FILE = "calibration_report.json"
+#: The resolved recipe of the ``calibrate`` run that wrote the artifact (YAML; no
+#: consumer reads it, and a source's ``.yaml`` files are never copied).
+RECIPE_FILE = "calibration_recipe.yaml"
 CONFIG_FILE = "config.json"
 #: Files copied from the source checkpoint directory when present.
 TOKENIZER_FILES = (

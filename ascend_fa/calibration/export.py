@@ -18,8 +18,17 @@ __all__ = ["job_report", "write_artifact"]
 
 
 def _sections(**results: Any) -> dict[str, Any]:
-    """``{name: result.to_report()}`` for the stage results that ran."""
-    return {k: r.to_report() for k, r in results.items() if r is not None}
+    """``{name: result.to_report()}`` for the stage results that ran, without
+    their timings: the report is part of the artifact, which a rerun of its
+    recipe writes again byte for byte (the timings are in
+    :attr:`~.job.CalibrationResult.seconds`)."""
+    out = {}
+    for k, r in results.items():
+        if r is not None:
+            section = r.to_report()
+            section.pop("seconds", None)
+            out[k] = section
+    return out
 
 
 def job_report(
@@ -34,7 +43,8 @@ def job_report(
 ) -> dict[str, Any]:
     """``calibration_report.json``: the report of :func:`.report.build_report`
     with the run's header (model, target, what is deployed, the stages' own
-    sections, the recipe and the calibration settings)."""
+    sections, the recipe and the calibration settings). It holds no timing, so
+    that a rerun writes the same bytes."""
     from ascend_fa import artifact
 
     from .report import build_report
@@ -64,7 +74,6 @@ def job_report(
             "batch_size": plan.batch_size,
             "seed": plan.seed,
             "ranks": parallel.world_size(),
-            "seconds": round(attention.seconds, 3),
         },
     }
     return build_report(
@@ -83,12 +92,16 @@ def write_artifact(
     report: dict[str, Any],
     *,
     transforms: Any,
+    recipe: str | None = None,
 ) -> Path:
     """Write the artifact of the run (rank 0), or merge the FA / KV tensors into
-    ``plan.merge_into``; returns where it went."""
+    ``plan.merge_into``; returns where it went. ``recipe``: the resolved recipe's
+    YAML text, stored as :data:`~ascend_fa.artifact.RECIPE_FILE`."""
     from ascend_fa import artifact
 
     extra_files = picture_files(report) if plan.picture_report else {}
+    if recipe is not None:
+        extra_files[artifact.RECIPE_FILE] = recipe.encode("utf-8")
     if not plan.merge:
         return _export(plan, source, attention, report, extra_files, transforms)
     return Path(

@@ -34,7 +34,8 @@ from ascend_fa import parallel
 
 from .arguments import streaming_plan
 from .export import job_report, write_artifact
-from .plan import default_recipe_path, plan_calibration
+from .plan import default_recipe_path, plan_calibration, resolved_recipe
+from .recipe import Recipe, dump_recipe
 from .source import Source, open_source
 from .stages import (
     AttentionPass,
@@ -46,14 +47,39 @@ from .stages import (
     measure_heldout,
     observe_attention,
     quantize_linears,
+    rotates,
 )
 
 __all__ = [
     "CalibrationResult",
     "calibrate",
     "default_recipe_path",
+    "recipe_header",
     "streaming_plan",
 ]
+
+
+def recipe_header() -> str:
+    """The comment lines above a stored recipe: what it is, how to rerun it, and
+    the versions that wrote it (the same versions write the same bytes)."""
+    import importlib.metadata as md
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    from ascend_fa.artifact import RECIPE_FILE
+
+    return (
+        "The resolved recipe of this artifact: every choice of the ascend-fa "
+        "calibrate run\nthat wrote it. Rerun it (the same versions write the same "
+        f"bytes):\n  ascend-fa calibrate --recipe {RECIPE_FILE} --output DIR\n"
+        f"ascend-fa {version('ascend-fa')}, torch {version('torch')}, "
+        f"transformers {version('transformers')}, safetensors "
+        f"{version('safetensors')}"
+    )
 
 
 @dataclass
@@ -66,6 +92,9 @@ class CalibrationResult:
     num_samples: int
     report: dict[str, Any]
     seconds: dict[str, float] = field(default_factory=dict)
+    #: the resolved recipe of the run (stored in the artifact as
+    #: :data:`~ascend_fa.artifact.RECIPE_FILE`)
+    recipe: Any = None
 
     @property
     def heldout(self) -> dict[str, Any]:
@@ -127,7 +156,7 @@ class CalibrationResult:
         if folded:
             lines.append(
                 f"folded {', '.join(folded['folded'])} into the weights "
-                f"({folded['seconds']:.1f} s)"
+                f"({t.get('transforms', 0):.1f} s)"
             )
         lin = self.report.get("linears")
         if lin:
@@ -136,7 +165,7 @@ class CalibrationResult:
             tail = f"; scan KL {kl:.5f}" if kl is not None else ""
             lines.append(
                 f"linears: {counts} (fallback {lin['fallback']}{tail}; "
-                f"{lin['seconds'].get('quantize', 0):.1f} s)"
+                f"{t.get('linears', 0):.1f} s)"
             )
         if self.report.get("research_artifact"):
             lines.append(
@@ -152,40 +181,44 @@ def calibrate(
     *,
     output: str | Path | None = None,
     gguf_file: str | None = None,
-    recipe: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
     calib_data: str | Path | None = None,
-    num_samples: int = 32,
-    max_length: int = 512,
-    batch_size: int = 4,
+    num_samples: int | None = None,
+    max_length: int | None = None,
+    batch_size: int | None = None,
     backend: str | None = None,
     overwrite: bool = False,
     force: bool = False,
     merge_into: str | Path | None = None,
-    max_shard_size: str | int = "5GB",
-    seed: int = 0,
-    heldout: int = 4,
-    clip_search: bool = False,
-    picture_report: bool = True,
-    cache: bool = True,
+    max_shard_size: str | int | None = None,
+    seed: int | None = None,
+    heldout: int | None = None,
+    clip_search: bool | None = None,
+    picture_report: bool | None = None,
+    cache: bool | None = None,
     progress: bool = True,
     target: str | None = None,
     consumer_version: str | None = None,
     dtype: str | None = None,
-    kv_strategy: str = "tensor",
+    kv_strategy: str | None = None,
     linear: str | None = None,
-    linear_fallback: int | str = "auto",
-    linear_fallback_criterion: str = "layer",
-    rotate: str = "auto",
+    linear_fallback: int | str | None = None,
+    linear_fallback_criterion: str | None = None,
+    rotate: str | None = None,
     linear_headroom: float | str | None = None,
-    streaming: bool = False,
+    streaming: bool | None = None,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,
     error_budget: float | str | None = None,
 ) -> CalibrationResult:
     """Calibrate ``model`` and write the artifact to ``output`` (or merge into
     ``merge_into``). Arguments mirror ``ascend-fa calibrate``'s flags
-    (:func:`~.plan.plan_calibration` describes them); bad input raises the typed
-    errors of :mod:`ascend_fa.errors` before any model is loaded."""
+    (:func:`~.plan.plan_calibration` describes them): an argument left at None
+    takes ``recipe``'s value, one given wins over it. The artifact gets the
+    resolved recipe of the run (:data:`~ascend_fa.artifact.RECIPE_FILE`; also
+    :attr:`CalibrationResult.recipe`), which reruns it byte for byte. Bad input
+    raises the typed errors of :mod:`ascend_fa.errors` before any model is
+    loaded."""
     plan = plan_calibration(**locals())  # first: locals() are the arguments
     from ascend_fa.backends import get_backend
 
@@ -202,6 +235,11 @@ def calibrate(
         attention, budget = keep_within_budget(plan, source, attention)
         heldout = measure_heldout(plan, source, attention, budget)
         attention.calibrated.remove(source.net)
+        recipe = resolved_recipe(
+            plan,
+            backend=get_backend(plan.backend).name,
+            rotation="on" if rotates(plan, source) else "off",
+        )
         report = job_report(
             plan,
             source,
@@ -213,7 +251,14 @@ def calibrate(
         )
         dest = Path(output or merge_into or ".")  # ranks other than 0 write nothing
         if parallel.rank() == 0:
-            dest = write_artifact(plan, source, attention, report, transforms=folded)
+            dest = write_artifact(
+                plan,
+                source,
+                attention,
+                report,
+                transforms=folded,
+                recipe=dump_recipe(recipe, header=recipe_header()),
+            )
         source.close()
     return CalibrationResult(
         output=dest,
@@ -221,7 +266,8 @@ def calibrate(
         layers=len(report["layers"]),
         num_samples=len(plan.calib),
         report=report,
-        seconds=_seconds(source, folding, folded, attention, heldout),
+        seconds=_seconds(source, folding, folded, attention, heldout, linears),
+        recipe=recipe,
     )
 
 
@@ -231,10 +277,13 @@ def _seconds(
     folded: Any,
     attention: AttentionPass,
     heldout: Heldout,
+    linears: Any,
 ) -> dict[str, float]:
     """The stages' timings, in the order they ran (transforms folded before the
     FA pass come before it, those folded in the pass after it)."""
     seconds = {"load": source.seconds}
+    if linears is not None:
+        seconds["linears"] = linears.seconds.get("quantize", 0.0)
     if folding.folded is not None:
         seconds["transforms"] = folded.seconds
     seconds["calibrate"] = attention.seconds

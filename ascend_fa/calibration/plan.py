@@ -14,11 +14,12 @@ A new refusal that needs no model is one more function in
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,11 +38,16 @@ from .arguments import (
     warn_target,
 )
 
+if TYPE_CHECKING:
+    from .recipe import Recipe
+
 __all__ = [
     "PREFLIGHT_CHECKS",
     "CalibrationPlan",
     "default_recipe_path",
     "plan_calibration",
+    "resolved_recipe",
+    "with_recipe",
 ]
 
 
@@ -87,7 +93,7 @@ class CalibrationPlan:
     batch_size: int
     seed: int
     heldout: int
-    recipe_path: Path
+    recipe_path: Path | None
     calib_data: str | Path | None
     backend: str | None
     overwrite: bool
@@ -121,7 +127,7 @@ class CalibrationPlan:
             "seed": self.seed,
             "heldout": self.heldout,
             "device": str(device),
-            "recipe": self.recipe.model_dump(),
+            "recipe": {"processors": [p.model_dump() for p in self.recipe.processors]},
         }
 
     def lines(self) -> list[str]:
@@ -152,7 +158,7 @@ class CalibrationPlan:
             f"samples: {len(self.calib) or self.num_samples} calibration + "
             f"{len(self.held) or self.heldout} held-out, max length "
             f"{self.max_length}, batch {self.batch_size}, seed {self.seed}",
-            f"recipe: {self.recipe_path}",
+            f"recipe: {self.recipe_path or 'given as text or a Recipe'}",
             "options: " + (", ".join(extras) if extras else "none"),
             f"output: {where}",
         ]
@@ -181,6 +187,42 @@ def _resolved_linear(
     return linear_type
 
 
+def _read_recipe(recipe: str | Path | Recipe | None) -> tuple[Recipe, Path | None]:
+    """The run's recipe (a :class:`~.recipe.Recipe`, a file, YAML text, or None
+    for the packaged default) and its file (None for text or an object)."""
+    from .recipe import Recipe, load_recipe
+
+    if isinstance(recipe, Recipe):
+        return recipe, None
+    if recipe is None:
+        recipe = default_recipe_path()
+    loaded = load_recipe(recipe)
+    text = str(recipe)
+    is_file = isinstance(recipe, Path) or ("\n" not in text and os.path.isfile(text))
+    return loaded, Path(text) if is_file else None
+
+
+def _absolute(path: str | Path | None) -> str | None:
+    """A path as an absolute one (the resolved recipe records it so; a rerun
+    from another directory reads the same files)."""
+    return None if path is None else str(Path(path).absolute())
+
+
+def with_recipe(args: dict[str, Any]) -> tuple[dict[str, Any], Recipe, Path | None]:
+    """``calibrate``'s arguments with the recipe's values where an argument is
+    not given (None): an argument given explicitly wins, the recipe comes next,
+    and a key the recipe leaves out has the schema's default
+    (:data:`~.recipe.RECIPE_FLAGS`)."""
+    from .recipe import RECIPE_FLAGS
+
+    recipe, path = _read_recipe(args.get("recipe"))
+    given = {k: v for k, v in args.items() if k in RECIPE_FLAGS and v is not None}
+    merged = {**args, **recipe.flag_values(), **given}
+    for key in ("model", "merge_into", "calib_data"):
+        merged[key] = _absolute(merged[key])
+    return merged, recipe, path
+
+
 def _parsed(args: dict[str, Any]) -> CalibrationPlan:
     """Every argument parsed on its own (one clear error for a bad value)."""
     from ascend_fa import artifact
@@ -188,6 +230,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
 
     from .budget import check_error_budget
 
+    args, recipe, recipe_path = with_recipe(args)
     if args["output"] is None and args["merge_into"] is None:
         raise InputError("--output is required (or --merge-into DIR)")
     check_positive(
@@ -240,7 +283,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
         batch_size=args["batch_size"],
         seed=args["seed"],
         heldout=args["heldout"],
-        recipe_path=Path(args["recipe"]) if args["recipe"] else default_recipe_path(),
+        recipe_path=recipe_path,
         calib_data=args["calib_data"],
         backend=args["backend"],
         overwrite=args["overwrite"],
@@ -248,6 +291,7 @@ def _parsed(args: dict[str, Any]) -> CalibrationPlan:
         picture_report=args["picture_report"],
         cache=args["cache"],
         progress=args["progress"],
+        recipe=recipe,
     )
 
 
@@ -471,14 +515,68 @@ PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
 
 
 def _with_inputs(plan: CalibrationPlan) -> CalibrationPlan:
-    """The plan with its recipe and its calibration / held-out texts read."""
+    """The plan with its resolved recipe and its calibration / held-out texts
+    read."""
     from .data import load_calib_texts, split_calibration
-    from .recipe import load_recipe
 
-    recipe = load_recipe(plan.recipe_path)
     texts = load_calib_texts(plan.calib_data)
     calib, held = split_calibration(texts, plan.num_samples, plan.heldout, plan.seed)
-    return replace(plan, recipe=recipe, calib=calib, held=held)
+    return replace(plan, recipe=resolved_recipe(plan), calib=calib, held=held)
+
+
+def resolved_recipe(
+    plan: CalibrationPlan, *, backend: str | None = None, rotation: str | None = None
+) -> Recipe:
+    """The recipe of this run, fully resolved: every value the run uses, after the
+    flags, with the defaults that depend on the target decided (linear scheme,
+    consumer release, headroom); ``backend`` and ``rotation`` once known (the
+    selected backend; ``on`` / ``off`` for ``auto`` once the model is loaded).
+    What ``calibrate`` stores beside the weights (:data:`~ascend_fa.artifact.
+    RECIPE_FILE`); a run of it writes the same artifact."""
+    from ascend_fa.artifact import dtype_name, resolve_release
+    from ascend_fa.linear import DEFAULT_HEADROOM_DOUBLINGS
+
+    release = resolve_release(plan.target, plan.consumer_version)
+    scheme = {v: k for k, v in LINEAR_TYPES.items()}[plan.linear_type]
+    headroom = plan.linear_headroom
+    if plan.linear_type == "W8A8" and headroom is None:
+        headroom = DEFAULT_HEADROOM_DOUBLINGS
+    dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    values = {
+        "source.model": None if plan.model is None else str(plan.model),
+        "source.gguf_file": plan.gguf_file,
+        "source.merge_into": (
+            None if plan.merge_into is None else str(plan.merge_into)
+        ),
+        "source.streaming": plan.streaming,
+        "source.max_memory": plan.max_memory,
+        "source.cache": plan.cache,
+        "data.path": None if plan.calib_data is None else str(plan.calib_data),
+        "data.num_samples": plan.num_samples,
+        "data.max_length": plan.max_length,
+        "data.batch_size": plan.batch_size,
+        "data.seed": plan.seed,
+        "data.heldout": plan.heldout,
+        "target.consumer": plan.target,
+        "target.release": None if release is None else release.name,
+        "target.dtype": dtype[dtype_name(plan.dtype)],
+        "target.kv_strategy": plan.kv_strategy,
+        "linears.scheme": scheme,
+        "linears.fallback": plan.linear_fallback,
+        "linears.criterion": plan.criterion,
+        "linears.headroom": None if headroom is None else float(headroom),
+        "rotation": rotation or plan.rotate,
+        "transforms": list(plan.transforms),
+        "attention.clip_search": plan.clip_search,
+        "attention.error_budget": plan.error_budget,
+        "export.max_shard_size": plan.max_shard_size,
+        "export.picture_report": plan.picture_report,
+        "backend": backend or plan.backend,
+    }
+    try:
+        return plan.recipe.with_values(values)
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
 
 
 def plan_calibration(
@@ -486,40 +584,44 @@ def plan_calibration(
     *,
     output: str | Path | None = None,
     gguf_file: str | None = None,
-    recipe: str | Path | None = None,
+    recipe: str | Path | Recipe | None = None,
     calib_data: str | Path | None = None,
-    num_samples: int = 32,
-    max_length: int = 512,
-    batch_size: int = 4,
+    num_samples: int | None = None,
+    max_length: int | None = None,
+    batch_size: int | None = None,
     backend: str | None = None,
     overwrite: bool = False,
     force: bool = False,
     merge_into: str | Path | None = None,
-    max_shard_size: str | int = "5GB",
-    seed: int = 0,
-    heldout: int = 4,
-    clip_search: bool = False,
-    picture_report: bool = True,
-    cache: bool = True,
+    max_shard_size: str | int | None = None,
+    seed: int | None = None,
+    heldout: int | None = None,
+    clip_search: bool | None = None,
+    picture_report: bool | None = None,
+    cache: bool | None = None,
     progress: bool = True,
     target: str | None = None,
     consumer_version: str | None = None,
     dtype: str | None = None,
-    kv_strategy: str = "tensor",
+    kv_strategy: str | None = None,
     linear: str | None = None,
-    linear_fallback: int | str = "auto",
-    linear_fallback_criterion: str = "layer",
-    rotate: str = "auto",
+    linear_fallback: int | str | None = None,
+    linear_fallback_criterion: str | None = None,
+    rotate: str | None = None,
     linear_headroom: float | str | None = None,
-    streaming: bool = False,
+    streaming: bool | None = None,
     max_memory: str | int | None = None,
     transforms: str | list[str] | None = None,
     error_budget: float | str | None = None,
 ) -> CalibrationPlan:
     """The plan of ``calibrate(...)`` with these arguments (the same names and
     defaults): each argument parsed, :data:`PREFLIGHT_CHECKS` passed, the recipe
-    and calibration text read. Raises the typed errors of :mod:`ascend_fa.errors`;
-    loads no model and writes nothing.
+    and calibration text read. ``recipe`` (a file, YAML text or a
+    :class:`~.recipe.Recipe`; None: the packaged default) holds every other
+    argument too: an argument given (not None) wins over the recipe's value, and
+    a key the recipe leaves out takes the schema's default (:func:`with_recipe`).
+    Raises the typed errors of :mod:`ascend_fa.errors`; loads no model and writes
+    nothing.
 
     ``linear``: ``"w8a8"``, ``"w8a8_dynamic"`` or ``"none"`` (None: the target's
     default — W8A8 for mindie, W8A8_DYNAMIC for MLA on vllm-ascend, float

@@ -22,9 +22,35 @@ Matching is case-sensitive and ``exclude`` wins over ``include``.
 
 Validation is strict: an unknown key, a wrong type, a ratio outside ``(0, 1]`` or a
 processor type other than ``fa3_quant`` raises :class:`RecipeError`, whose message
-names the YAML path (``spec.process[0].ratio.q``) and line. Top-level ``apiversion``
+names, in one line, the file, the YAML path (``spec.process[0].ratio.q``) and its
+line (:mod:`.recipe_yaml`). Top-level ``apiversion``
 and ``metadata`` and the ``spec`` sections ``save`` and ``dataset`` of msModelSlim
 recipes are accepted and ignored.
+
+A recipe is the whole run: besides ``spec.process`` it holds every choice
+``ascend-fa calibrate`` makes (all optional; a missing key takes the schema's
+default, :mod:`.recipe_sections`)::
+
+    spec:
+      source: {model: null, gguf_file: null, merge_into: null, streaming: false,
+               max_memory: null, cache: true}
+      data: {path: null, num_samples: 32, max_length: 512, batch_size: 4, seed: 0,
+             heldout: 4}
+      target: {consumer: mindie, release: null, dtype: bf16, kv_strategy: tensor}
+      linears: {scheme: null, fallback: auto, criterion: layer, headroom: null}
+      rotation: auto
+      transforms: []
+      attention: {clip_search: false, error_budget: null}
+      export: {max_shard_size: 5GB, picture_report: true}
+      backend: null
+      process: [...]
+
+:data:`RECIPE_FLAGS` maps each key to its ``calibrate`` flag; a flag given
+explicitly wins over the recipe (:meth:`Recipe.flag_values`). Relative paths in a
+recipe file are relative to the file's directory. :func:`dump_recipe` writes a
+recipe back as YAML (``calibrate`` stores the resolved recipe of a run beside the
+weights, :data:`~ascend_fa.artifact.RECIPE_FILE`), and loading that text gives the
+same recipe.
 """
 
 from __future__ import annotations
@@ -52,8 +78,32 @@ from pydantic import (
 )
 
 from ascend_fa.adapters.placeholder import FA_BRANCHES
-from ascend_fa.errors import AscendFAError, FileFormatError
+from ascend_fa.errors import AscendFAError
 from ascend_fa.safe_files import read_text
+
+from .recipe_sections import (
+    PATH_KEYS,
+    RECIPE_FLAGS,
+    AttentionSettings,
+    DataSettings,
+    ExportSettings,
+    LinearSettings,
+    Rotation,
+    SourceSettings,
+    TargetSettings,
+    Transform,
+    folding_order,
+    yaml_on_off,
+)
+from .recipe_yaml import (
+    MAX_RECIPE_BYTES,
+    MAX_RECIPE_DEPTH,
+    RecipeError,
+    format_errors,
+    node_lines,
+    parse_document,
+    yaml_path,
+)
 
 __all__ = [
     "RecipeError",
@@ -62,7 +112,17 @@ __all__ = [
     "BranchSettings",
     "FA3QuantConfig",
     "Recipe",
+    "SourceSettings",
+    "DataSettings",
+    "TargetSettings",
+    "LinearSettings",
+    "AttentionSettings",
+    "ExportSettings",
+    "RECIPE_FLAGS",
+    "RECIPE_API_VERSION",
+    "PATH_KEYS",
     "load_recipe",
+    "dump_recipe",
     "default_recipe",
     "check_patterns",
     "expand_braces",
@@ -80,10 +140,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PROCESSOR_TYPE = "fa3_quant"
-#: Largest recipe document, in bytes (the packaged recipes are under 2 KiB).
-MAX_RECIPE_BYTES = 64 * 1024
-#: Deepest nesting of YAML collections in a recipe.
-MAX_RECIPE_DEPTH = 32
 #: Longest include/exclude pattern, its brace groups, and the patterns it expands
 #: to; patterns per include/exclude list; expanded patterns in the whole recipe.
 MAX_PATTERN_CHARS = 1024
@@ -98,11 +154,6 @@ Method = Literal["recall_window", "minmax", "abs_quantile"]
 Accumulate = Literal["union", "pooled"]
 # StrictFloat takes ints (1 -> 1.0) but not strings or bools.
 Ratio = StrictFloat
-
-
-class RecipeError(FileFormatError):
-    """A recipe failed to parse or validate; the message names path and line (a
-    :class:`~ascend_fa.errors.FileFormatError`, so also a ``ValueError``)."""
 
 
 def _check_ratio_value(v: float | None) -> float | None:
@@ -309,15 +360,127 @@ class FA3QuantConfig(_Strict):
 
 
 class Recipe(_Strict):
-    """The FA3 processors of a recipe, in order."""
+    """A whole ``calibrate`` run: the FA3 processors (``spec.process``), in order,
+    and every other choice of the run, one section each (see the module)."""
 
     processors: list[FA3QuantConfig] = Field(default_factory=list)
+    source: SourceSettings = Field(default_factory=SourceSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    target: TargetSettings = Field(default_factory=TargetSettings)
+    linears: LinearSettings = Field(default_factory=LinearSettings)
+    rotation: Rotation = "auto"
+    transforms: list[Transform] = Field(default_factory=list)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    backend: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+
+    _on_off = field_validator("rotation", mode="before")(yaml_on_off)
+    _order = field_validator("transforms")(folding_order)
+
+    def get(self, key: str) -> Any:
+        """The value at a dotted recipe key (``"data.num_samples"``)."""
+        value: Any = self
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+    def flag_values(self) -> dict[str, Any]:
+        """``{calibrate argument: value}`` for every key of :data:`RECIPE_FLAGS`
+        (what a run takes where no flag is given)."""
+        return {flag: self.get(key) for flag, key in RECIPE_FLAGS.items()}
+
+    def with_values(self, values: dict[str, Any]) -> Recipe:
+        """A validated copy with ``{dotted key: value}`` set (``ValueError``
+        naming the key for a value the schema refuses)."""
+        data = self.model_dump()
+        for key, value in values.items():
+            *parents, last = key.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            node[last] = value
+        try:
+            return Recipe.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = yaml_path(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            raise ValueError(f"recipe key {where}: {msg}") from None
+
+    def to_document(self) -> dict[str, Any]:
+        """The recipe as the YAML document :func:`load_recipe` reads."""
+        spec: dict[str, Any] = {}
+        for name in (
+            "source",
+            "data",
+            "target",
+            "linears",
+            "rotation",
+            "transforms",
+            "attention",
+            "export",
+            "backend",
+        ):
+            value = getattr(self, name)
+            spec[name] = value.model_dump() if isinstance(value, BaseModel) else value
+            if name == "transforms":
+                spec[name] = list(value)
+        spec["process"] = [_item_document(p) for p in self.processors]
+        doc: dict[str, Any] = {"apiversion": RECIPE_API_VERSION}
+        if self.metadata is not None:
+            doc["metadata"] = self.metadata
+        doc["spec"] = spec
+        return doc
+
+
+def _item_document(item: FA3QuantConfig) -> dict[str, Any]:
+    """One ``fa3_quant`` item with every setting written (branch overrides only
+    where set)."""
+    out = item.model_dump()
+    for branch in FA_BRANCHES:
+        if out[branch] is None:
+            del out[branch]
+        else:
+            out[branch] = {k: v for k, v in out[branch].items() if v is not None}
+    return out
+
+
+#: ``apiversion`` written by :func:`dump_recipe` (any text is read).
+RECIPE_API_VERSION = "v1"
+
+
+def dump_recipe(recipe: Recipe, *, header: str = "") -> str:
+    """``recipe`` as YAML text (every key written, in a fixed order: the same
+    recipe always gives the same bytes); ``header`` lines go first as comments.
+    :func:`load_recipe` of the text gives ``recipe`` back."""
+    body = yaml.safe_dump(
+        recipe.to_document(),
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=88,
+    )
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in header.splitlines())
+    return comments + body
 
 
 class _Spec(_Strict):
     process: list[FA3QuantConfig]
+    source: SourceSettings = Field(default_factory=SourceSettings)
+    data: DataSettings = Field(default_factory=DataSettings)
+    target: TargetSettings = Field(default_factory=TargetSettings)
+    linears: LinearSettings = Field(default_factory=LinearSettings)
+    rotation: Rotation = "auto"
+    transforms: list[Transform] = Field(default_factory=list)
+    attention: AttentionSettings = Field(default_factory=AttentionSettings)
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    backend: StrictStr | None = None
     save: Any = None
     dataset: Any = None
+
+    _on_off = field_validator("rotation", mode="before")(yaml_on_off)
+    _order = field_validator("transforms")(folding_order)
 
     @field_validator("process")
     @classmethod
@@ -346,129 +509,6 @@ def default_recipe() -> Recipe:
     return Recipe(processors=[FA3QuantConfig()])
 
 
-def _node_lines(
-    node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int]
-) -> None:
-    out[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            k = key.value
-            _node_lines(value, path + (k,), out)
-            # A key's path points at the key's own line (a block value starts later).
-            out[path + (k,)] = key.start_mark.line + 1
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _node_lines(item, path + (i,), out)
-
-
-def _fmt_path(loc: Iterable[Any]) -> str:
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += ("." if text else "") + str(part)
-    return text or "<root>"
-
-
-def _format_errors(
-    exc: ValidationError, lines: dict[tuple[Any, ...], int], source: str
-) -> str:
-    msgs = []
-    for err in exc.errors():
-        # Pydantic puts the failing member of a union or tagged type into loc as a
-        # non-key string (e.g. "float"); keep only the parts that exist in the YAML.
-        loc = tuple(err["loc"])
-        path: tuple[Any, ...] = ()
-        line = lines.get((), None)
-        for part in loc:
-            if path + (part,) in lines:
-                path = path + (part,)
-                line = lines[path]
-            elif err["type"] in ("extra_forbidden", "missing") and part == loc[-1]:
-                path = path + (part,)
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = f"unknown key {str(path[-1])!r}"
-        elif err["type"] == "missing":
-            msg = f"missing required key {str(path[-1])!r}"
-        elif "input" in err and err["type"] not in ("missing", "value_error"):
-            msg += f" (got {err['input']!r})"
-        where = f"{source}: {_fmt_path(path)}"
-        if line is not None:
-            where += f" (line {line})"
-        if f"{where}: {msg}" not in msgs:  # a scalar ratio fails once per branch
-            msgs.append(f"{where}: {msg}")
-    return "invalid recipe:\n  " + "\n  ".join(msgs)
-
-
-# libyaml's parser when PyYAML has it: the pure-Python scanner is ~10x slower.
-_SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-class _RecipeLoader(_SAFE_LOADER):  # type: ignore[misc, valid-type]
-    """The safe loader; with the pure-Python scanner, flow collections are capped
-    at :data:`MAX_RECIPE_DEPTH` levels while scanning (its per-level state makes
-    deep ``[[[[...`` quadratic). Aliases and depth are checked on the event stream
-    first (:func:`_check_events`)."""
-
-    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
-        if self.flow_level >= MAX_RECIPE_DEPTH:
-            raise yaml.scanner.ScannerError(
-                None,
-                None,
-                f"nested more than {MAX_RECIPE_DEPTH} levels deep",
-                self.get_mark(),
-            )
-        super().fetch_flow_collection_start(TokenClass)
-
-
-def _check_events(text: str) -> None:
-    """Refuse aliases (``*name``, and so ``<<:`` merges: each can multiply the
-    document — the "billion laughs" bomb) and nesting deeper than
-    :data:`MAX_RECIPE_DEPTH`, from the parser's events, before anything is
-    built."""
-    depth = 0
-    for event in yaml.parse(text, Loader=_RecipeLoader):
-        if isinstance(event, yaml.AliasEvent):
-            raise yaml.MarkedYAMLError(
-                None,
-                None,
-                "aliases (*name) are not allowed in recipes",
-                event.start_mark,
-            )
-        if isinstance(event, yaml.CollectionStartEvent):
-            depth += 1
-            if depth > MAX_RECIPE_DEPTH:
-                raise yaml.MarkedYAMLError(
-                    None,
-                    None,
-                    f"nested more than {MAX_RECIPE_DEPTH} levels deep",
-                    event.start_mark,
-                )
-        elif isinstance(event, yaml.CollectionEndEvent):
-            depth -= 1
-
-
-def _parse(text: str, source: str) -> tuple[yaml.Node | None, Any]:
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{source}: recipe is larger than {MAX_RECIPE_BYTES} bytes")
-    try:
-        _check_events(text)
-        loader = _RecipeLoader(text)
-        try:
-            node = loader.get_single_node()
-            data = loader.construct_document(node) if node is not None else None
-        finally:
-            loader.dispose()
-    except yaml.YAMLError as exc:
-        msg = " ".join(str(exc).split())
-        raise RecipeError(f"{source}: not valid YAML: {msg}") from None
-    except RecursionError:
-        raise RecipeError(f"{source}: not valid YAML: nested too deeply") from None
-    return node, data
-
-
 def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     """Parse and validate a recipe from a file path or from YAML text.
 
@@ -480,6 +520,7 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     """
     text: str
     source: str
+    base_dir: str | None = None
     candidate = os.fspath(path_or_text)
     if isinstance(path_or_text, os.PathLike) or (
         "\n" not in candidate and os.path.isfile(candidate)
@@ -490,21 +531,43 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
             text = read_text(candidate, limit=MAX_RECIPE_BYTES, what="recipe")
         except AscendFAError as exc:
             raise RecipeError(str(exc), path=exc.path) from None
-        source = os.path.basename(candidate)
+        source = candidate
+        base_dir = os.path.dirname(os.path.abspath(candidate))
     elif candidate.strip() and "\n" not in candidate and ":" not in candidate:
         raise RecipeError(f"recipe file not found: {candidate}")
     else:
         text, source = candidate, "<recipe>"
-    node, data = _parse(text, source)
+    node, data = parse_document(text, source)
     if node is None or not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a mapping with a 'spec' key")
     lines: dict[tuple[Any, ...], int] = {}
-    _node_lines(node, (), lines)
+    node_lines(node, (), lines)
     try:
         parsed = _RecipeFile.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_format_errors(exc, lines, source)) from None
-    return Recipe(processors=list(parsed.spec.process))
+        raise RecipeError(format_errors(exc, lines, source)) from None
+    spec = parsed.spec
+    recipe = Recipe(
+        processors=list(spec.process),
+        source=spec.source,
+        data=spec.data,
+        target=spec.target,
+        linears=spec.linears,
+        rotation=spec.rotation,
+        transforms=list(spec.transforms),
+        attention=spec.attention,
+        export=spec.export,
+        backend=spec.backend,
+        metadata=parsed.metadata,
+    )
+    if base_dir is None:
+        return recipe
+    relative = {
+        key: os.path.join(base_dir, value)
+        for key in PATH_KEYS
+        if isinstance(value := recipe.get(key), str) and not os.path.isabs(value)
+    }
+    return recipe.with_values(relative) if relative else recipe
 
 
 def check_patterns(

@@ -1,6 +1,13 @@
 """``ascend-fa calibrate``: static per-head INT8 scales for Q, K, V, exported in the
 Ascend format. The work is :func:`ascend_fa.calibration.job.calibrate`; the report
 written beside the artifact is described in :mod:`ascend_fa.calibration.report`.
+
+Every flag that a recipe also holds (:data:`ascend_fa.calibration.recipe.
+RECIPE_FLAGS`) defaults to None here, "not given": a flag given on the command line
+wins over the recipe, a flag not given takes the recipe's value, and a key the
+recipe leaves out takes the default the help states. ``--output``,
+``--overwrite``, ``--force``, ``--json``, ``--dry-run`` and ``--quiet`` say where
+and how this run writes, not what: no recipe holds them.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe",
         default=None,
-        help="YAML recipe (default: the packaged recipes/default.yaml)",
+        help="YAML recipe: the whole run (default: the packaged "
+        "recipes/default.yaml). A flag given here wins over the recipe's value; "
+        "a flag not given takes it. An artifact's calibration_recipe.yaml "
+        "reruns that artifact byte for byte",
     )
     parser.add_argument(
         "--calib-data",
@@ -35,18 +45,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the packaged calibration set)",
     )
     parser.add_argument(
-        "--num-samples", type=int, default=32, help="calibration samples (default 32)"
+        "--num-samples",
+        type=int,
+        default=None,
+        help="calibration samples (default 32)",
     )
     parser.add_argument(
         "--max-length",
         type=int,
-        default=512,
+        default=None,
         help="tokens per sample, longer samples are cut (default 512)",
     )
     parser.add_argument(
         "--batch-size",
         type=int,
-        default=4,
+        default=None,
         help="samples per forward, padded (default 4)",
     )
     parser.add_argument(
@@ -77,23 +90,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "not given",
     )
     parser.add_argument(
-        "--max-shard-size", default="5GB", help="largest weights shard (default 5GB)"
+        "--max-shard-size", default=None, help="largest weights shard (default 5GB)"
     )
     parser.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="shuffle seed of the calibration/held-out split",
+        default=None,
+        help="shuffle seed of the calibration/held-out split, the transforms and "
+        "the rotation (default 0)",
     )
     parser.add_argument(
         "--heldout",
         type=int,
-        default=4,
+        default=None,
         help="held-out samples for the report (default 4; 0 = none)",
     )
     parser.add_argument(
         "--target",
-        default="mindie",
+        default=None,
         help="consumer to write for: mindie (FAQuant/FAKQuant + quantized "
         "linears), vllm-ascend (C8 int8 KV cache for GQA, FAKQuant for MLA), vllm "
         "(compressed-tensors FP8 KV-cache scales); default mindie",
@@ -109,32 +123,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype",
-        default="bf16",
+        default=None,
         help="weight dtype of the artifact: bf16 (default) or fp16; fp32 writes a "
         "research artifact (exact evaluation, not deployable)",
     )
     parser.add_argument(
         "--kv-strategy",
-        default="tensor",
+        default=None,
         help="--target vllm: one FP8 scale per tensor (default) or per KV head "
         "(attn_head)",
     )
     parser.add_argument(
         "--clip-search",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="after the recipe's observers, choose each head's clip "
         "by the attention-output error on retained calibration rows "
         "(GQA models; changes only the exported static scales)",
     )
     parser.add_argument(
-        "--no-report",
-        action="store_true",
-        help="do not draw the picture report (calibration_report.png)",
+        "--report",
+        dest="picture_report",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draw the picture report (calibration_report.png; default: drawn)",
     )
     parser.add_argument(
-        "--no-cache",
-        action="store_true",
-        help="load a GGUF model directly instead of through the model cache",
+        "--cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="load a GGUF model through the model cache (default) or, with "
+        "--no-cache, directly",
     )
     parser.add_argument(
         "--linear",
@@ -147,14 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--linear-fallback",
-        default="auto",
+        default=None,
         metavar="N|auto",
         help="keep at most N linears float, the most sensitive groups first; "
         "auto (default): at most 10%% of the linears",
     )
     parser.add_argument(
         "--streaming",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="keep one decoder layer in memory, read from the checkpoint's "
         "safetensors shards (BF16/F32, or DeepSeek FP8 blocks dequantized as they "
         "load); the same artifact as without it, memory independent of depth",
@@ -175,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--linear-fallback-criterion",
         choices=("layer", "kl"),
-        default="layer",
+        default=None,
         help="how the fallback picks groups: layer (default; per decoder layer, "
         "while the layer's relative output error exceeds a budget: works with "
         "--streaming) or kl (a one-at-a-time KL scan of whole-model logits, "
@@ -184,7 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rotate",
         choices=("auto", "on", "off"),
-        default="auto",
+        default=None,
         help="rotate the residual stream before quantizing the linears (a seeded "
         "Hadamard folded into the embedding, every linear and lm_head; a tied head "
         "is untied): auto (default) for static W8A8 on llama / qwen2 / qwen3 / "
@@ -229,19 +249,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ascend_fa.calibration.job import calibrate, streaming_plan
+    from ascend_fa.calibration.plan import with_recipe
     from ascend_fa.parallel import launch_rank
     from ascend_fa.safe_paths import check_disjoint, check_output_file, write_file
     from ascend_fa.tables import strict_json
 
     if args.dry_run:
+        # the recipe's values where no flag is given, as the run takes them
+        merged, _, _ = with_recipe(
+            {
+                "recipe": args.recipe,
+                "model": args.model,
+                "merge_into": args.merge_into,
+                "calib_data": args.calib_data,
+                "streaming": args.streaming,
+                "num_samples": args.num_samples,
+                "max_length": args.max_length,
+                "heldout": args.heldout,
+                "target": args.target,
+                "linear": args.linear,
+            }
+        )
         plan = streaming_plan(
-            args.model,
-            streaming=args.streaming,
-            num_samples=args.num_samples,
-            max_length=args.max_length,
-            heldout=args.heldout,
-            target=args.target,
-            linear=args.linear,
+            merged["model"],
+            streaming=merged["streaming"],
+            num_samples=merged["num_samples"],
+            max_length=merged["max_length"],
+            heldout=merged["heldout"],
+            target=merged["target"],
+            linear=merged["linear"],
         )
         for line in plan.lines():
             print(line)
@@ -276,8 +312,8 @@ def run(args: argparse.Namespace) -> int:
         consumer_version=args.consumer_version,
         dtype=args.dtype,
         kv_strategy=args.kv_strategy,
-        picture_report=not args.no_report,
-        cache=not args.no_cache,
+        picture_report=args.picture_report,
+        cache=args.cache,
         progress=not getattr(args, "quiet", False),
         linear=args.linear,
         linear_fallback=args.linear_fallback,

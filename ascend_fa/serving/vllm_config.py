@@ -14,7 +14,6 @@ finding, one line naming the tensor or rule.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -29,6 +28,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 
+from ascend_fa import settings
 from ascend_fa.artifact.format import DESCRIPTION_FILE
 from ascend_fa.artifact.inspect import inspect_artifact
 from ascend_fa.errors import UnsupportedError
@@ -103,7 +103,7 @@ class AscendQuantConfig(QuantizationConfig):
         if not Path(model_name).is_dir():
             return
         check_tensors(self.description, tensor_dtypes(model_name))
-        target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
+        target, _, version = str(settings.get(CONSUMER_ENV) or "").partition("@")
         # without a named release, the recorded target's rules but no release
         # table: an artifact does not record the release it was written for
         result = inspect_artifact(

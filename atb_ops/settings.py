@@ -219,8 +219,9 @@ SETTINGS: tuple[Setting, ...] = (
         "path",
         None,
         "Root of the model cache (the demo GGUF converted once to safetensors) "
-        "and of the consumer environments the tests and benchmarks build.",
-        "ascend_fa.model_cache",
+        "and of the consumer environments the tests and benchmarks build "
+        "(`ci/vllm_cpu_env.sh`, `ci/vllm_ascend_env.sh`).",
+        "ascend_fa.model_cache, ascend_fa.benchmarks.serving",
         shown="`$XDG_CACHE_HOME/ascend-fa`, else `~/.cache/ascend-fa`",
     ),
     Setting(

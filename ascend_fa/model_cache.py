@@ -38,6 +38,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from ascend_fa import settings
 from ascend_fa.artifact.writer import checkpoint_state_dict
 from ascend_fa.safe_files import unique_keys
 
@@ -64,7 +65,7 @@ _CHUNK = 8 << 20
 
 def cache_root() -> Path:
     """Where cached models live (see the module doc)."""
-    env = os.environ.get(CACHE_ENV)
+    env = settings.get(CACHE_ENV)
     if env:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -74,7 +75,7 @@ def cache_root() -> Path:
 
 def cache_enabled(cache: bool = True) -> bool:
     """``cache`` unless ``$ASCEND_FA_NO_CACHE`` is set to a true value."""
-    off = os.environ.get(NO_CACHE_ENV, "").strip().lower() in ("1", "true", "yes")
+    off = settings.get(NO_CACHE_ENV)
     return cache and not off
 
 

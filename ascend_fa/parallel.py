@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ascend_fa import settings
 from ascend_fa.errors import InputError
 
 __all__ = [
@@ -111,13 +112,10 @@ def comm_backend(device: torch.device) -> str:
 
 
 def _timeout() -> datetime.timedelta:
-    raw = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
     try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise InputError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number")
+        seconds = float(settings.get(TIMEOUT_ENV))
+    except settings.SettingError as exc:
+        raise InputError(str(exc)) from None
     return datetime.timedelta(seconds=seconds)
 
 

@@ -38,8 +38,9 @@ Numerics, each as the device documents it:
   bias=quant_bias, output_dtype=...)``: ``(x_q @ weight^T + quant_bias) * deq_scale``
   (op-plugin ``torch_npu-npu_quant_matmul.md``: "bias 为 int32: out = (x1 @ x2 + bias) *
   scale"). The product is accumulated exactly in integers (int32 on the device;
-  here :func:`int_gemm`: an int8 GEMM with int32 accumulation on a CPU where it is
-  the faster, else fp32 GEMMs over K chunks of 1024 whose partial sums are exact),
+  here :func:`int_gemm`: an int8 GEMM with int32 accumulation on a CPU with int8
+  dot-product instructions, else fp32 GEMMs over K chunks of 1024 whose partial
+  sums are exact; :func:`int_gemm_path` says which and why),
   the bias is added in
   float64 (exact), the int32 sum is converted to fp32
   (round to nearest even), multiplied by the fp32 scale and rounded once to
@@ -59,27 +60,35 @@ in plain Python (tests compare the ops with it bit for bit).
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
+import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from . import settings
 from .constants import INT8_MAX, INT8_MIN
 from .native import native_kernels
 
 __all__ = [
     "FP19_MASK",
+    "INT_GEMM_ENV",
     "OUT_DTYPES",
+    "IntGemmPath",
     "decode_deq_scale",
     "encode_deq_scale_int64",
     "dynamic_codes",
     "dynamic_dequant",
     "dynamic_quant",
     "dynamic_quant_ref",
+    "int8_dot_instructions",
     "int_gemm",
     "int_gemm_float",
+    "int_gemm_path",
+    "int_gemm_report",
     "quant_matmul",
     "quant_matmul_dynamic",
     "quant_matmul_dynamic_ref",
@@ -89,6 +98,8 @@ __all__ = [
     "static_codes",
     "static_dequant",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: ``deq_scale`` bits the device keeps of an int64 (fp32 pattern) scale: sign,
 #: exponent and the top 10 mantissa bits ("FP19").
@@ -327,39 +338,223 @@ def _chunked_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-#: Whether the CPU's int8 GEMM (``torch._int_mm``) is faster than the fp32 chunks:
-#: None until first asked, then decided once per process by timing both on one
-#: product (:func:`_cpu_int_mm_faster`). Both give the same integers.
+#: The setting that picks the CPU's exact integer product: ``auto`` (the CPU's
+#: instructions, then a timing of each product shape), ``int_mm`` or ``fp32``.
+INT_GEMM_ENV = "ASCEND_FA_INT_GEMM"
+
+#: Linux ``/proc/cpuinfo`` flags of int8 dot-product instructions, with the name
+#: the reports use. oneDNN's int8 GEMM (``torch._int_mm``) is fast only with one
+#: of them; without them it is a slow fallback: with torch 2.13 on an AMD EPYC
+#: with AVX2 and no VNNI one 512 x 576 x 1536 product took 1,213 ms against 38 ms
+#: for the fp32 chunks (1088 x 576 x 3072: 10.3 s against 0.62 s).
+_INT8_DOT_FLAGS = {
+    "avx512_vnni": "AVX512-VNNI",
+    "avx_vnni": "AVX-VNNI",
+    "amx_int8": "AMX-INT8",
+}
+
+#: Test hook: a bool forces the CPU product in-process (``True``: ``_int_mm``);
+#: None (the default) lets :func:`int_gemm_path` decide.
 _CPU_INT_MM: bool | None = None
+#: The decision of ``auto`` from the CPU's instructions, made once per process
+#: (what the CPU is does not change; no timing is involved).
+_CPU_PATH: IntGemmPath | None = None
+#: Per product shape (M rounded up to a power of two, K, N): the measured
+#: comparison that confirmed or reversed ``auto``'s ``int_mm`` (see
+#: :func:`_measured_int_mm`).
+_SHAPES: dict[tuple[int, int, int], ShapeTiming] = {}
+_SHAPES_LOCK = threading.Lock()
+_LOGGED: set[IntGemmPath] = set()
+#: ``int_mm`` is kept for a shape unless its best time measured more than this
+#: many times the fp32 chunks' best (over interleaved pairs: a busy machine
+#: delays both alike, and a stall only ever adds time); a small loss is not worth
+#: a reversal.
+_LOSS_MARGIN = 1.25
+#: Timed pairs per shape (after one untimed call of each: oneDNN builds its
+#: primitive for a new shape on the first call).
+_TIMED_PAIRS = 3
+#: Products below this many multiply-adds are not timed (their times are too
+#: short to compare; either path costs microseconds): the CPU's choice stands.
+_MEASURE_MIN_MACS = 1 << 22
+#: At most this many shapes are timed per process; later new shapes take the
+#: CPU's choice.
+_MEASURE_MAX_SHAPES = 64
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()  # warm-up: first-call dispatch and allocation
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+@dataclass(frozen=True)
+class IntGemmPath:
+    """Which exact integer product :func:`int_gemm` runs on the CPU, and why.
+
+    ``path``: ``"int_mm"`` (``torch._int_mm``) or ``"fp32"`` (fp32 GEMM chunks);
+    ``source``: ``"setting"`` (``ASCEND_FA_INT_GEMM``), ``"cpu"`` (the CPU's
+    instructions, ``auto``) or ``"test"`` (the in-process hook); ``timed``: each
+    product shape's first use is timed against the other path (``auto`` with
+    ``int_mm``), so a measured loss can reverse the choice for that shape."""
+
+    path: str
+    reason: str
+    source: str
+    timed: bool = False
+
+    @property
+    def int_mm(self) -> bool:
+        return self.path == "int_mm"
+
+    def describe(self) -> str:
+        name = "torch._int_mm (int8 GEMM)" if self.int_mm else "fp32 GEMM chunks"
+        return f"{name}: {self.reason}"
 
 
-def _cpu_int_mm_faster() -> bool:
-    """Time ``torch._int_mm`` against the fp32 chunks on a 64 x 256 x 256 product
-    (best of 3, once per process). oneDNN's int8 GEMM is fast where the CPU has
-    int8 dot-product instructions (VNNI, AMX) and a slow fallback elsewhere: with
-    torch 2.13 on an AVX2 CPU without VNNI it ran at 1/16 to 1/25 of the fp32
-    GEMM's speed (1088 x 576 x 3072: 10.3 s against 0.62 s)."""
-    global _CPU_INT_MM
-    if _CPU_INT_MM is None:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randint(-128, 128, (64, 256), generator=gen, dtype=torch.int8)
-        w = torch.randint(-128, 128, (256, 256), generator=gen, dtype=torch.int8)
-        try:
-            t_int = _best_seconds(lambda: torch._int_mm(x, w.t()))
-        except (RuntimeError, NotImplementedError):
-            t_int = float("inf")
-        _CPU_INT_MM = t_int < _best_seconds(lambda: _chunked_gemm(x, w))
-    return _CPU_INT_MM
+@dataclass(frozen=True)
+class ShapeTiming:
+    """A timed product shape: ``ratio`` is ``_int_mm``'s best time over the fp32
+    chunks' best (interleaved pairs); ``int_mm`` whether it stays."""
+
+    ratio: float
+    int_mm: bool
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def int8_dot_instructions() -> tuple[str, ...]:
+    """The CPU's int8 dot-product instructions (``AVX512-VNNI``, ``AVX-VNNI``,
+    ``AMX-INT8``), from torch's CPU checks and the kernel's CPU flags."""
+    found: list[str] = []
+    vnni = getattr(getattr(torch, "cpu", None), "_is_vnni_supported", None)
+    try:
+        if vnni is not None and vnni():
+            found.append("AVX512-VNNI")
+    except RuntimeError:
+        pass
+    flags = _cpu_flags()
+    for flag, name in _INT8_DOT_FLAGS.items():
+        if flag in flags and name not in found:
+            found.append(name)
+    return tuple(found)
+
+
+def _cpu_capability() -> str:
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
+def _detect_path() -> IntGemmPath:
+    cap = _cpu_capability()
+    if not hasattr(torch, "_int_mm"):
+        return IntGemmPath("fp32", f"torch {torch.__version__} has no _int_mm", "cpu")
+    found = int8_dot_instructions()
+    if found:
+        return IntGemmPath(
+            "int_mm",
+            f"the CPU has {', '.join(found)} (torch CPU capability {cap}); each "
+            f"product shape's first use is timed against the fp32 chunks, and a "
+            f"loss beyond {_LOSS_MARGIN}x reverses it for that shape",
+            "cpu",
+            timed=True,
+        )
+    return IntGemmPath(
+        "fp32",
+        f"no int8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX-INT8) on "
+        f"this CPU (torch CPU capability {cap}), where torch._int_mm is a slow "
+        f"fallback (16-32x the fp32 GEMM's time on an AVX2 AMD EPYC)",
+        "cpu",
+    )
+
+
+def int_gemm_path() -> IntGemmPath:
+    """The CPU product of :func:`int_gemm` (see :class:`IntGemmPath`): forced by
+    ``ASCEND_FA_INT_GEMM=int_mm|fp32`` (read on every call), else (``auto``)
+    decided from the CPU's int8 dot-product instructions, once per process."""
+    global _CPU_PATH
+    if _CPU_INT_MM is not None:
+        path = IntGemmPath("int_mm" if _CPU_INT_MM else "fp32", "forced", "test")
+    else:
+        forced = settings.get(INT_GEMM_ENV)
+        if forced != "auto":
+            path = IntGemmPath(
+                str(forced), f"set by {INT_GEMM_ENV}={forced}", "setting"
+            )
+        else:
+            if _CPU_PATH is None:
+                _CPU_PATH = _detect_path()
+            path = _CPU_PATH
+    if path not in _LOGGED:
+        _LOGGED.add(path)
+        logger.debug("integer products on the CPU: %s", path.describe())
+    return path
+
+
+def int_gemm_report() -> dict[str, object]:
+    """What :func:`int_gemm` runs on this CPU, for reports and benchmark records:
+    ``path``, ``reason``, ``source``, and each timed shape
+    (``"MxKxN": {"ratio", "path"}``, M rounded up to a power of two)."""
+    path = int_gemm_path()
+    with _SHAPES_LOCK:
+        shapes = {
+            f"{m}x{k}x{n}": {
+                "ratio": round(t.ratio, 3),
+                "path": "int_mm" if t.int_mm else "fp32",
+            }
+            for (m, k, n), t in sorted(_SHAPES.items())
+        }
+    return {
+        "path": path.path,
+        "reason": path.reason,
+        "source": path.source,
+        "timed_shapes": shapes,
+    }
+
+
+def _measured_int_mm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``int_gemm`` where ``auto`` chose ``_int_mm`` from the CPU: the first
+    product of each shape is run on both paths, interleaved (``_TIMED_PAIRS``
+    pairs, alternating which goes first, after one untimed call of each), and
+    ``_int_mm`` stays for the shape unless its best time exceeds the fp32
+    chunks' best by more than ``_LOSS_MARGIN``. The shapes are the run's own, so
+    the choice is measured where it matters, and both paths see the same load."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    if m * k * n < _MEASURE_MIN_MACS:
+        return torch._int_mm(x_q, weight.t())
+    key = (1 << max(m - 1, 0).bit_length(), k, n)
+    timing = _SHAPES.get(key)
+    if timing is None and len(_SHAPES) < _MEASURE_MAX_SHAPES:
+        out = torch._int_mm(x_q, weight.t())
+        _chunked_gemm(x_q, weight)
+        t_int, t_fp = [], []
+        for i in range(_TIMED_PAIRS):
+            for fp in (i % 2, 1 - i % 2):  # alternate which path goes first
+                t0 = time.perf_counter()
+                if fp:
+                    _chunked_gemm(x_q, weight)
+                else:
+                    torch._int_mm(x_q, weight.t())
+                (t_fp if fp else t_int).append(time.perf_counter() - t0)
+        ratio = min(t_int) / max(min(t_fp), 1e-9)
+        timing = ShapeTiming(ratio, ratio <= _LOSS_MARGIN)
+        with _SHAPES_LOCK:
+            _SHAPES.setdefault(key, timing)
+        logger.debug(
+            "integer product %dx%dx%d: torch._int_mm took %.2fx the fp32 chunks' "
+            "time (best of %d interleaved pairs): %s",
+            m, k, n, ratio, _TIMED_PAIRS,
+            "keeping _int_mm" if timing.int_mm else "fp32 chunks for this shape",
+        )  # fmt: skip
+        return out
+    if timing is None or timing.int_mm:
+        return torch._int_mm(x_q, weight.t())
+    return _chunked_gemm(x_q, weight)
 
 
 def int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -367,22 +562,21 @@ def int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     accumulator of the device, exact, as int32 ``[M, N]``. Any summation order gives
     the same integer (no partial sum leaves int32: ``K <= 65535`` keeps
     ``|sum| <= 65535 * 2**14 < 2**30``). On the CPU an int8 GEMM
-    (``torch._int_mm``, int32 accumulation) where it is the faster of the two
-    (:func:`_cpu_int_mm_faster`); elsewhere, or where a torch build lacks it for
+    (``torch._int_mm``, int32 accumulation) where the CPU has int8 dot-product
+    instructions (:func:`int_gemm_path`); elsewhere, or where a torch build lacks it for
     these operands, fp32 GEMMs over exact K chunks. ``K == 1`` always takes the
     chunks: torch 2.13's ``_int_mm`` returns garbage for it on AMX CPUs (measured
     on Intel Xeon with AMX: every ``[M > 1, 1] x [1, N]`` product of 3000 random
     shapes wrong, every K >= 2 right)."""
-    if (
-        x_q.device.type == "cpu"
-        and x_q.shape[1] > 1
-        and hasattr(torch, "_int_mm")
-        and _cpu_int_mm_faster()
-    ):
-        try:
-            return torch._int_mm(x_q, weight.t())
-        except (RuntimeError, NotImplementedError):
-            pass
+    if x_q.device.type == "cpu" and x_q.shape[1] > 1 and hasattr(torch, "_int_mm"):
+        path = int_gemm_path()
+        if path.int_mm:
+            try:
+                if path.timed:
+                    return _measured_int_mm(x_q, weight)
+                return torch._int_mm(x_q, weight.t())
+            except (RuntimeError, NotImplementedError):
+                pass
     return _chunked_gemm(x_q, weight)
 
 
@@ -395,7 +589,9 @@ def int_gemm_float(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     correctly rounded addition of two exact values rounds as the int32 sum's
     conversion does; more chunks add in int32."""
     cpu_int = (
-        x_q.device.type == "cpu" and hasattr(torch, "_int_mm") and _cpu_int_mm_faster()
+        x_q.device.type == "cpu"
+        and hasattr(torch, "_int_mm")
+        and int_gemm_path().int_mm
     )
     if cpu_int or x_q.shape[1] > 2 * _EXACT_FP32_K:
         return int_gemm(x_q.to(torch.int8), weight.to(torch.int8)).float()

@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from . import settings
 from .constants import INT8_MAX, INT8_MIN, ROUND_MAGIC
 
 __all__ = [
@@ -243,7 +244,7 @@ class NativeStatus:
 def native_enabled() -> bool:
     """False when ``ASCEND_FA_NATIVE=0`` (read on every call, so a test or a
     benchmark can switch paths in-process)."""
-    return os.environ.get(NATIVE_ENV, "1").strip() not in ("0", "false", "no", "off")
+    return bool(settings.get(NATIVE_ENV))
 
 
 @contextlib.contextmanager
@@ -271,7 +272,7 @@ def _find_compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get(NATIVE_CACHE_ENV)
+    env = settings.get(NATIVE_CACHE_ENV)
     if env:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(

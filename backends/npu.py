@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import os
 import sys
 import threading
 from typing import ClassVar
@@ -35,6 +34,7 @@ from typing import ClassVar
 import torch
 
 from ..atb_ops import linear as linear_ops  # defines the ascend_fa:: linear ops
+from ..atb_ops import settings
 from ..atb_ops.attention import mla_attention_info, paged_attention_info
 from . import npu_kernels
 from .base import (
@@ -98,7 +98,7 @@ def call_keywords(module, name: str) -> set[str] | None:
 
 def detect_release(module) -> str:
     """The table release of the loaded torch_npu ``module`` (see the module doc)."""
-    forced = os.environ.get(RELEASE_ENV_VAR)
+    forced = settings.get(RELEASE_ENV_VAR)
     if forced:
         release_index(forced)
         return forced
@@ -146,7 +146,7 @@ def current_release() -> str:
     ``$ASCEND_FA_TORCH_NPU_RELEASE``, else the newest known."""
     release = _STATE.get("release")
     if release is None:
-        release = os.environ.get(RELEASE_ENV_VAR) or DEFAULT_RELEASE
+        release = settings.get(RELEASE_ENV_VAR) or DEFAULT_RELEASE
         release_index(release)
     return str(release)
 

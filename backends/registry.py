@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import threading
 from dataclasses import dataclass
 from importlib import metadata
 
+from ..atb_ops import settings
 from .base import AttentionSpec, Availability, Backend, CapabilityError
 
 __all__ = [
@@ -149,7 +149,7 @@ def _instance(info: BackendInfo) -> Backend:
 def get_backend(name: str | None = None) -> Backend:
     """The backend to use: explicit ``name``, else ``$ASCEND_FA_BACKEND``, else the
     available backend with the highest priority (npu, then cuda, then cpu)."""
-    chosen = name if name is not None else (os.environ.get(ENV_VAR) or None)
+    chosen = name if name is not None else settings.get(ENV_VAR)
     infos = list_backends()
     if chosen is not None:
         chosen = chosen.strip().lower()
@@ -181,7 +181,7 @@ def backend_for_device(device: str | object) -> Backend:
     Honors ``$ASCEND_FA_BACKEND`` when it names a backend of that device type.
     """
     device_type = getattr(device, "type", None) or str(device).split(":")[0]
-    forced = os.environ.get(ENV_VAR)
+    forced = settings.get(ENV_VAR)
     if forced:
         backend = get_backend(forced)
         if backend.device_type == device_type:
@@ -231,7 +231,7 @@ def select_backend(spec: AttentionSpec, name: str | None = None) -> Backend:
     the :class:`~ascend_fa.backends.base.CapabilityError` (a ``ValueError``) lists
     every backend with its reasons.
     """
-    chosen = name if name is not None else (os.environ.get(ENV_VAR) or None)
+    chosen = name if name is not None else settings.get(ENV_VAR)
     return _select_cached(spec, chosen)
 
 

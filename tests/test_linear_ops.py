@@ -132,14 +132,127 @@ def test_int_gemm_float_is_the_int32_product_converted(k, int8_gemm, monkeypatch
         assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
-def test_int_gemm_chooses_its_cpu_product_once(monkeypatch):
-    """The CPU product is chosen by one timing per process and then kept; either
-    choice is exact (the test above)."""
+@pytest.fixture
+def auto_path(monkeypatch):
+    """``ASCEND_FA_INT_GEMM`` unset, no in-process override, nothing decided or
+    timed yet; yields a function that makes ``auto`` see the given int8
+    dot-product instructions."""
+    monkeypatch.delenv(linear_ops.INT_GEMM_ENV, raising=False)
     monkeypatch.setattr(linear_ops, "_CPU_INT_MM", None)
-    first = linear_ops._cpu_int_mm_faster()
-    assert isinstance(first, bool) and linear_ops._CPU_INT_MM is first
-    monkeypatch.setattr(linear_ops, "_best_seconds", lambda *_a, **_k: 1 / 0)
-    assert linear_ops._cpu_int_mm_faster() is first  # not timed again
+    monkeypatch.setattr(linear_ops, "_CPU_PATH", None)
+    monkeypatch.setattr(linear_ops, "_SHAPES", {})
+
+    def cpu_has(*names):
+        monkeypatch.setattr(linear_ops, "_CPU_PATH", None)
+        monkeypatch.setattr(linear_ops, "int8_dot_instructions", lambda: names)
+
+    return cpu_has
+
+
+def test_int_gemm_path_is_decided_by_the_cpu_instructions(auto_path):
+    """``auto`` picks ``_int_mm`` from the CPU's int8 dot-product instructions
+    (no timing), else the fp32 chunks; the reason says which and why."""
+    auto_path()
+    path = linear_ops.int_gemm_path()
+    assert (path.path, path.source, path.timed) == ("fp32", "cpu", False)
+    assert "no int8 dot-product instructions" in path.reason
+    assert "fp32 GEMM chunks" in path.describe()
+    auto_path("AVX512-VNNI", "AMX-INT8")
+    path = linear_ops.int_gemm_path()
+    assert (path.path, path.source, path.timed) == ("int_mm", "cpu", True)
+    assert "AVX512-VNNI, AMX-INT8" in path.reason
+    assert linear_ops.int_gemm_path() is path  # decided once per process
+
+
+def test_int8_dot_instructions_reads_this_cpu():
+    """On this machine the answer agrees with the kernel's CPU flags."""
+    found = linear_ops.int8_dot_instructions()
+    flags = linear_ops._cpu_flags()
+    for flag, name in linear_ops._INT8_DOT_FLAGS.items():
+        if flag in flags:
+            assert name in found
+
+
+@pytest.mark.parametrize("forced", ["int_mm", "fp32", " FP32 "])
+def test_int_gemm_setting_forces_either_path(forced, auto_path, monkeypatch):
+    """``ASCEND_FA_INT_GEMM`` overrides the CPU's choice (read on every call) and
+    the product runs where it says, exact either way."""
+    if not hasattr(torch, "_int_mm"):
+        pytest.skip("this torch build has no torch._int_mm")
+    auto_path("AVX512-VNNI")
+    calls = []
+    real = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(1) or real(a, b))
+    monkeypatch.setenv(linear_ops.INT_GEMM_ENV, forced)
+    want = forced.strip().lower()
+    path = linear_ops.int_gemm_path()
+    assert (path.path, path.source, path.timed) == (want, "setting", False)
+    assert linear_ops.INT_GEMM_ENV in path.reason
+    x, w = _codes((64, 300), seed=1), _codes((40, 300), seed=2)
+    got = int_gemm(x, w)
+    assert torch.equal(got, linear_ops._chunked_gemm(x, w))
+    assert len(calls) == (1 if want == "int_mm" else 0)
+
+
+def test_int_gemm_setting_refuses_other_values(auto_path, monkeypatch):
+    from ascend_fa.settings import SettingError
+
+    monkeypatch.setenv(linear_ops.INT_GEMM_ENV, "fast")
+    with pytest.raises(SettingError) as err:
+        int_gemm(_codes((4, 8)), _codes((3, 8)))
+    assert str(err.value) == (
+        "ASCEND_FA_INT_GEMM='fast': expected auto, int_mm or fp32"
+    )
+
+
+@pytest.mark.parametrize("loser", ["int_mm", "fp32"])
+def test_a_measured_loss_reverses_int_mm_for_that_shape(loser, auto_path, monkeypatch):
+    """Where the CPU picks ``_int_mm``, the first product of each shape runs both
+    paths interleaved; ``_int_mm`` stays unless it loses by more than the margin,
+    and the verdict holds for the shape (M rounded up to a power of two). The
+    clock is a fake one that each call advances (the loser 3 units, the winner
+    1), so no real timing is involved; the products stay exact."""
+    import types
+
+    if not hasattr(torch, "_int_mm"):
+        pytest.skip("this torch build has no torch._int_mm")
+    auto_path("AVX512-VNNI")
+    real_int, real_fp = torch._int_mm, linear_ops._chunked_gemm
+    clock = [0.0]
+    calls = {"int_mm": 0, "fp32": 0}
+
+    def timed(name, fn):
+        def run(*args):
+            calls[name] += 1
+            clock[0] += 3.0 if name == loser else 1.0
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(torch, "_int_mm", timed("int_mm", real_int))
+    monkeypatch.setattr(linear_ops, "_chunked_gemm", timed("fp32", real_fp))
+    fake_time = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    monkeypatch.setattr(linear_ops, "time", fake_time)
+    x, w = _codes((100, 256), seed=7), _codes((256, 256), seed=8)
+    want = real_fp(x, w)
+    assert torch.equal(int_gemm(x, w), want)  # the timed first product
+    pairs = linear_ops._TIMED_PAIRS
+    assert calls == {"int_mm": 1 + pairs, "fp32": 1 + pairs}
+    timing = linear_ops.int_gemm_report()["timed_shapes"]["128x256x256"]
+    winner = "fp32" if loser == "int_mm" else "int_mm"
+    assert timing == {"path": winner, "ratio": 3.0 if loser == "int_mm" else 0.333}
+    # a later product of the same shape class (M = 70 -> 128) is not timed again
+    x2 = _codes((70, 256), seed=9)
+    assert torch.equal(int_gemm(x2, w), real_fp(x2, w))
+    assert calls[winner] == 2 + pairs and calls[loser] == 1 + pairs
+    assert torch.equal(int_gemm_float(x2, w), real_fp(x2, w).float())
+
+
+def test_small_products_are_not_timed(auto_path, monkeypatch):
+    auto_path("AVX-VNNI")
+    x, w = _codes((8, 64), seed=1), _codes((16, 64), seed=2)
+    assert torch.equal(int_gemm(x, w), linear_ops._chunked_gemm(x, w))
+    assert linear_ops.int_gemm_report()["timed_shapes"] == {}
 
 
 def test_int64_deq_scale_keeps_fp19():

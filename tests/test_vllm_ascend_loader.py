@@ -50,6 +50,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ascend_fa import settings
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +62,7 @@ RELEASES = ("0.23.0.post1", "0.18.0", "0.13.0")
 #: Releases a local run adds, space-separated (CI runs RELEASES only), each built
 #: by ``ci/vllm_ascend_env.sh`` on first use: ``0.25.1rc1`` (a registry
 #: pre-release), ``main`` (built from a source tree beforehand: VLLM_ASCEND_SRC).
-RELEASES += tuple(os.environ.get("ASCEND_FA_LOADER_RELEASES", "").split())
+RELEASES += settings.get("ASCEND_FA_LOADER_RELEASES")
 #: Release -> the one frame where its load path computes on the device, which the
 #: stand-in refuses: 0.13.0's AscendSharedFusedMoE runs its shared experts'
 #: forward on ``torch.rand(10, hidden, device="npu")`` in a self-check wrapped

@@ -15,7 +15,6 @@ are those of ``tests/test_vllm_ascend_loader.py``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,12 +36,13 @@ from test_vllm_ascend_loader import (  # noqa: E402
     _in_ci,
 )
 
+from ascend_fa import settings  # noqa: E402
 from ascend_fa.cli import main  # noqa: E402
 
 #: The registry releases whose loader this runs (qwen3 C8 loads in each), and
 #: those a local run adds (``ASCEND_FA_LOADER_RELEASES``, as the matrix does).
 RELEASES = ("0.23.0.post1", "0.18.0")
-RELEASES += tuple(os.environ.get("ASCEND_FA_LOADER_RELEASES", "").split())
+RELEASES += settings.get("ASCEND_FA_LOADER_RELEASES")
 #: variant -> the shape its weight_scale / weight_offset get (N = rows)
 SHAPES = {"n1": None, "n11": (-1, 1, 1), "n": (-1,)}
 

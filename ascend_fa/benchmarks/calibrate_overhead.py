@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ._util import print_table
-from .results import Record, Timing, verdict, write_results
+from .results import Record, Timing, machine_line, verdict, write_results
 
 NAME = "calibration-overhead"
 HELP = "calibration wall time (default recipe) vs the same plain forwards; seed's sort"
@@ -514,6 +514,7 @@ def _print_report(s: _Setup, entries: list[_Entry], identical: bool) -> None:
         f"tokens, batch {s.batch_size}, {len(s.batches)} forwards per variant, "
         f"{torch.get_num_threads()} threads"
     )
+    print(machine_line())
     print_table(
         ["variant", "seconds", "vs plain", "goal"],
         rows,

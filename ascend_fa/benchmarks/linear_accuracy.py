@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ._util import accuracy_setup, add_accuracy_arguments, print_table
-from .results import Record, verdict, write_results
+from .results import Record, machine_line, verdict, write_results
 
 NAME = "linear-accuracy"
 HELP = "W8A8 / W8A8_DYNAMIC linears + FAQuant: ppl, KL, top-1 vs float; RTN baseline"
@@ -180,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         + ", ".join(f"{d} {next(iter(r.values())).tokens}" for d, r in results.items())
         + f"; {torch.get_num_threads()} threads"
     )
+    print(machine_line())
     print_table(headers, rows, title="Linear quantization accuracy (all with FAQuant)")
     for line in time_lines(info, plain):
         print(line)

@@ -6,7 +6,8 @@ JSON written by ``ascend-fa bench NAME --json FILE`` (schema
     {
       "schema": "ascend-fa-bench/1",
       "environment": {"ascend_fa", "python", "torch", "torch_npu", "platform",
-                      "cpu", "cpu_count", "threads", "device", "git_revision"},
+                      "cpu", "cpu_count", "threads", "device", "git_revision",
+                      "int_gemm": {"path", "reason", "source", "timed_shapes"}},
       "records": [
         {"benchmark": "kvcache", "backend": "cpu", "mode": "int8_nz",
          "params": {"T": 4096, "Hkv": 8, ...},
@@ -21,6 +22,10 @@ JSON written by ``ascend-fa bench NAME --json FILE`` (schema
 ``verdict`` is ``"ok"``/``"miss"`` against ``goal`` (or null without a goal).
 :func:`compare_results` matches records of two files by ``(benchmark, backend, mode,
 params)`` and flags a slowdown larger than both runs' spread as a regression.
+``environment.int_gemm`` says which exact integer product the W8A8 linears ran on
+the CPU (``int_mm`` or ``fp32``) and why
+(:func:`~ascend_fa.atb_ops.linear.int_gemm_report`): calibration times differ
+several-fold between the two.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ascend_fa.atb_ops.linear import int_gemm_report
 from ascend_fa.tables import finite_or_none
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "Timing",
     "Record",
     "environment",
+    "machine_line",
     "time_on",
     "verdict",
     "write_results",
@@ -153,7 +160,19 @@ def environment(backend: str | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": device,
         "git_revision": _git_revision(),
+        "int_gemm": int_gemm_report(),
     }
+
+
+def machine_line() -> str:
+    """One line naming the CPU and its integer-product path, for benchmark output
+    whose times depend on it."""
+    report = int_gemm_report()
+    path = "torch._int_mm" if report["path"] == "int_mm" else "fp32 GEMM chunks"
+    return (
+        f"CPU: {_cpu_name()} ({os.cpu_count()} cores); integer products: {path} "
+        f"({report['source']})"
+    )
 
 
 def time_on(

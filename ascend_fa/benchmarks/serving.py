@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import settings
 from ._util import print_table
 from .results import Record, environment, verdict, write_results
 
@@ -77,7 +78,7 @@ print(json.dumps(out))
 
 
 def _default_vllm_python() -> str | None:
-    root = os.environ.get("ASCEND_FA_CACHE_DIR") or os.path.join(
+    root = settings.get("ASCEND_FA_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
         "ascend-fa",
     )

@@ -45,7 +45,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo model: missing ({demo['reason']})")
     env = info["env"]
     for key, val in env.items():
-        print(f"{key}={val if val is not None else '(unset)'}")
+        if val is not None or key == "ASCEND_FA_BACKEND":
+            print(f"{key}={val if val is not None else '(unset)'}")
+    paths = info["cpu_paths"]
+    gemm = paths["int_gemm"]
+    name = {"int_mm": "torch._int_mm (int8 GEMM)", "fp32": "fp32 GEMM chunks"}
+    print(
+        f"integer products (W8A8 linears, CPU): "
+        f"{name.get(gemm['path'], 'unknown')} ({gemm['reason']})"
+    )
+    print(f"native CPU kernels: {paths['native']}")
     print("backends:")
     for b in info["backends"]:
         state = "available" if b["available"] else f"unavailable: {b['reason']}"

@@ -32,7 +32,6 @@ block table ``2 * block_table``, so each is a contiguous paged cache of the ops.
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -42,6 +41,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
 )
 
+from ascend_fa import settings
 from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
 from ascend_fa.emulation.scales import load_scales
 
@@ -299,9 +299,7 @@ class AscendAttentionMethod(BaseKVCacheMethod):
 
     def create_weights(self, layer) -> None:
         super().create_weights(layer)
-        layout = os.environ.get(LAYOUT_ENV, "nd").strip().lower() or "nd"
-        if layout not in ("nd", "nz"):
-            raise ValueError(f"{LAYOUT_ENV}={layout!r}: expected nd or nz")
+        layout = settings.get(LAYOUT_ENV)
         layer.ascend_loaded = {}
         for base in self.names:
             for kind in ("scale", "offset"):

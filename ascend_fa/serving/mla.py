@@ -48,7 +48,6 @@ that at start-up; with AMX vLLM keeps 128.
 
 from __future__ import annotations
 
-import os
 import re
 import weakref
 
@@ -57,6 +56,7 @@ from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
+from ascend_fa import settings
 from ascend_fa.atb_ops import c0
 from ascend_fa.attention import (
     mla_paged_attention,
@@ -228,9 +228,7 @@ class AscendMLAMethod(BaseKVCacheMethod):
                 "CPU platform forces 16 for the reference CPU_MLA backend on CPUs "
                 "without AMX, vllm/platforms/cpu.py check_and_update_config)"
             )
-        layout = os.environ.get(LAYOUT_ENV, "nd").strip().lower() or "nd"
-        if layout not in ("nd", "nz"):
-            raise ValueError(f"{LAYOUT_ENV}={layout!r}: expected nd or nz")
+        layout = settings.get(LAYOUT_ENV)
         layer.ascend_layout = layout
         layer.ascend_loaded = {}
         for base in _BRANCHES:

@@ -23,7 +23,6 @@ was loaded from the files (:mod:`.loaded`).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.utils import WeightsMapper
 
+from ascend_fa import settings
 from ascend_fa.artifact.format import DESCRIPTION_FILE
 from ascend_fa.artifact.inspect import QUANTIZATION_CONFIG_FINDING, inspect_artifact
 from ascend_fa.errors import UnsupportedError
@@ -165,7 +165,7 @@ class AscendQuantConfig(QuantizationConfig):
         if self.description is None:
             self.description = ServingDescription(read_description(model_name))
         check_tensors(self.description, tensor_dtypes(model_name))
-        target, _, version = os.environ.get(CONSUMER_ENV, "").strip().partition("@")
+        target, _, version = str(settings.get(CONSUMER_ENV) or "").partition("@")
         # without a named release, the recorded target's rules but no release
         # table: an artifact does not record the release it was written for
         result = inspect_artifact(

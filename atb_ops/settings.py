@@ -271,6 +271,17 @@ SETTINGS: tuple[Setting, ...] = (
         scope="tests",
     ),
     Setting(
+        "ASCEND_FA_UPDATE_DOCS",
+        "bool",
+        False,
+        "The MindIE own-code test (run with `MINDIE_LLM_SRC`) rewrites "
+        "`docs/reference/mindie.md` from its run instead of failing when the page "
+        "differs.",
+        "tests/test_mindie_own_code.py",
+        shown="unset (a differing page fails the test)",
+        scope="tests",
+    ),
+    Setting(
         "ASCEND_FA_TF4_VENV",
         "path",
         None,

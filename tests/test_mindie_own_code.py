@@ -44,6 +44,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ascend_fa import settings
+
 pytestmark = pytest.mark.slow
 if not os.environ.get("MINDIE_LLM_SRC"):
     pytest.skip(
@@ -364,6 +366,6 @@ def test_the_docs_table_is_this_run(mindie):
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     new = f"{head}{TABLE_START}\n{table}\n{TABLE_END}{tail}"
-    if os.environ.get("ASCEND_FA_UPDATE_DOCS") == "1":
+    if settings.get("ASCEND_FA_UPDATE_DOCS"):
         DOC.write_text(new)
     assert new == text, f"docs/reference/mindie.md differs from this run:\n{table}"

@@ -111,3 +111,48 @@ def test_the_choice_is_the_same_in_every_fresh_process():
     }
     want = linear_ops._detect_path()
     assert seen == {f"{want.path} cpu"}
+
+
+def _spin_seen(env_extra: dict[str, str]) -> str:
+    """GOMP_SPINCOUNT as a fresh ``ascend-fa`` process leaves it for torch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+    }
+    env.update(env_extra)
+    code = (
+        "import os, sys\n"
+        "from ascend_fa import cli\n"
+        "cli._short_omp_spin()\n"
+        "print(os.environ.get('GOMP_SPINCOUNT', 'unset'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_cli_gives_openmp_a_short_spin_unless_the_user_chose():
+    from ascend_fa.cli import OMP_SPIN_DEFAULT
+
+    assert _spin_seen({}) == OMP_SPIN_DEFAULT
+    assert _spin_seen({"GOMP_SPINCOUNT": "77"}) == "77"
+    assert _spin_seen({"OMP_WAIT_POLICY": "ACTIVE"}) == "unset"
+
+
+def test_no_spin_change_once_torch_is_loaded():
+    import os
+
+    import torch  # noqa: F401
+
+    from ascend_fa import cli
+
+    before = os.environ.get("GOMP_SPINCOUNT")
+    cli._short_omp_spin()
+    assert os.environ.get("GOMP_SPINCOUNT") == before

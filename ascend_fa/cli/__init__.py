@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import importlib
 import logging
+import os
 import pkgutil
 import signal
 import sys
@@ -141,7 +142,29 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(sig, previous)
 
 
+#: How long (iterations) an idle OpenMP worker of torch's thread pool spins before
+#: it sleeps, when the user sets neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``.
+#: libgomp's default spins for about a millisecond at every barrier: on a machine
+#: whose cores other processes also run, the spinning workers take the time slices
+#: the working ones need (measured on a 2-core AMD EPYC with two busy processes:
+#: ``calibrate --num-samples 4 --max-length 64`` 241 s against 53 s idle, 4.5x;
+#: with 10000, 136 s busy and 54 s idle, 2.5x; ``OMP_WAIT_POLICY=PASSIVE`` cost
+#: 12 % on the idle machine). See docs/guides/cpu-performance.md.
+OMP_SPIN_DEFAULT = "10000"
+
+
+def _short_omp_spin() -> None:
+    """Give torch's OpenMP pool a short spin before it is loaded (libgomp reads
+    its settings once, when torch loads it); a user's own setting wins."""
+    if "torch" in sys.modules:
+        return
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_DEFAULT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _short_omp_spin()
     prefix = "ascend-fa"
     verbose = False
     try:

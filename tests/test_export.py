@@ -34,15 +34,43 @@ def make_scales(heads=(6, 2, 2), seed=0):
     return scale_map(ATTN, heads, seed)
 
 
+#: The tiny LLaMA the synthetic artifacts of this file describe: 6 query heads and
+#: 2 KV heads of width 4 (the scales' head counts), tied embeddings; config.json
+#: says so, so the artifact is complete against the architecture it names.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 24,
+    "head_dim": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 32,
+    "vocab_size": 50,
+    "tie_word_embeddings": True,
+}
+#: [out, in] of each linear of TINY_LLAMA's layers
+LINEAR_SHAPES = {
+    "self_attn.q_proj": (24, 24),
+    "self_attn.k_proj": (8, 24),
+    "self_attn.v_proj": (8, 24),
+    "self_attn.o_proj": (24, 24),
+    "mlp.gate_proj": (32, 24),
+    "mlp.up_proj": (32, 24),
+    "mlp.down_proj": (24, 32),
+}
+
+
 def make_state(seed=0):
+    """Every float tensor of TINY_LLAMA."""
     g = torch.Generator().manual_seed(seed)
-    sd = {"model.embed_tokens.weight": torch.randn(50, 16, generator=g)}
+    sd = {"model.embed_tokens.weight": torch.randn(50, 24, generator=g)}
     for i in range(2):
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[f"model.layers.{i}.self_attn.{p}.weight"] = torch.randn(
-                16, 16, generator=g
-            )
-    sd["model.norm.weight"] = torch.ones(16)
+        for p, shape in LINEAR_SHAPES.items():
+            sd[f"model.layers.{i}.{p}.weight"] = torch.randn(*shape, generator=g)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            sd[f"model.layers.{i}.{n}.weight"] = torch.ones(24)
+    sd["model.norm.weight"] = torch.ones(24)
     return sd
 
 
@@ -84,7 +112,7 @@ def test_round_trip_bit_equal(tmp_path):
         state_dict=sd,
         scales=scales,
         fa_quant_type="FAQuant",
-        config={"model_type": "llama"},
+        config=TINY_LLAMA,
         report={"x": 1},
     )
     names = sorted(p.name for p in out.iterdir())
@@ -217,20 +245,21 @@ def _msmodelslim_dir(path, sharded=False):
     path.mkdir()
     g = torch.Generator().manual_seed(3)
     tensors, desc = {}, {"model_quant_type": "W8A8", "version": "1.0.0"}
-    tensors["model.embed_tokens.weight"] = torch.randn(50, 16, generator=g).half()
+    tensors["model.embed_tokens.weight"] = torch.randn(50, 24, generator=g).half()
     desc["model.embed_tokens.weight"] = "FLOAT"
-    for a in ATTN:
-        for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            n = f"{a}.{p}"
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        for p, (rows, cols) in LINEAR_SHAPES.items():
+            n = f"{layer}.{p}"
             tensors[f"{n}.weight"] = torch.randint(
-                -128, 127, (16, 16), dtype=torch.int8, generator=g
+                -128, 127, (rows, cols), dtype=torch.int8, generator=g
             )
             tensors[f"{n}.input_scale"] = torch.rand(1, generator=g).half()
             tensors[f"{n}.input_offset"] = torch.zeros(1).half()
             tensors[f"{n}.quant_bias"] = torch.randint(
-                -9, 9, (16,), dtype=torch.int32, generator=g
+                -9, 9, (rows,), dtype=torch.int32, generator=g
             )
-            tensors[f"{n}.deq_scale"] = torch.rand(16, generator=g)
+            tensors[f"{n}.deq_scale"] = torch.rand(rows, generator=g)
             for k in (
                 "weight",
                 "input_scale",
@@ -239,6 +268,11 @@ def _msmodelslim_dir(path, sharded=False):
                 "deq_scale",
             ):
                 desc[f"{n}.{k}"] = "W8A8"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{layer}.{n}.weight"] = torch.ones(24).half()
+            desc[f"{layer}.{n}.weight"] = "FLOAT"
+    tensors["model.norm.weight"] = torch.ones(24).half()
+    desc["model.norm.weight"] = "FLOAT"
     if sharded:
         names = sorted(tensors)
         half = len(names) // 2
@@ -254,9 +288,7 @@ def _msmodelslim_dir(path, sharded=False):
         save_file(tensors, str(path / "quant_model_weight_w8a8.safetensors"))
     (path / DESCRIPTION_FILE).write_text(json.dumps(desc, indent=1))
     (path / "config.json").write_text(
-        json.dumps(
-            {"model_type": "llama", "quantization_config": {"quant_method": "w8a8"}}
-        )
+        json.dumps({**TINY_LLAMA, "quantization_config": {"quant_method": "w8a8"}})
     )
     (path / "tokenizer.json").write_text("{}")
     return tensors, desc
@@ -271,7 +303,9 @@ def test_merge_into_keeps_every_entry_and_byte(tmp_path, sharded):
     src = tmp_path / "w8a8"
     tensors, desc = _msmodelslim_dir(src, sharded)
     before = _digests(src)
-    assert inspect_artifact(src)["valid"]
+    # the export's only fault is the quantization_config the merge removes
+    (finding,) = inspect_artifact(src)["findings"]
+    assert finding.startswith("config.json: quantization_config present")
     scales = make_scales()
     out = merge_into(
         src,

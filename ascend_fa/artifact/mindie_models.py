@@ -93,6 +93,7 @@ __all__ = [
     "MindieModel",
     "mindie_attention_biases",
     "mindie_config",
+    "mindie_required_keys",
     "mindie_findings",
     "mindie_model",
     "mindie_refusal",
@@ -510,6 +511,18 @@ def mindie_config(
         out["moe_quantize"] = "w8a8_dynamic"
     if m.attn_bias and cfg.get("attention_bias") is not True:
         out["attention_bias"] = True
+    out.update(mindie_required_keys(model_type, cfg))
+    return out
+
+
+def mindie_required_keys(model_type: str | None, cfg: Mapping[str, Any]) -> dict:
+    """The config.json keys MindIE's config class for ``model_type`` requires and
+    ``cfg`` lacks (None), or reads under transformers 4's name where ``cfg`` has
+    only transformers 5's: what a merged export needs whatever its linears are."""
+    m = mindie_model(model_type)
+    out: dict[str, Any] = {}
+    if m is None or m.backend != "atb":
+        return out
     for key in m.config_keys:
         if key not in cfg:
             out[key] = None

@@ -62,7 +62,11 @@ from .format import (
     mixed_moe_linears,
 )
 from .lazy import LazyTensors, write_safetensors
-from .mindie_models import mindie_attention_biases, mindie_config
+from .mindie_models import (
+    mindie_attention_biases,
+    mindie_config,
+    mindie_required_keys,
+)
 from .model_files import (
     copy_model_files,
     merged_config,
@@ -651,6 +655,10 @@ def merge_into(
             # The export's own quantization_config would hide the description from
             # vLLM-based loaders (get_quant_config); msModelSlim removes it too.
             cfg = merged_config(_load_json(tmp / CONFIG_FILE))
+            if consumer == "mindie":
+                # keys MindIE's config class requires (e.g. DeepSeek's
+                # rope_scaling), as the calibrated artifact writes them
+                cfg.update(mindie_required_keys(cfg.get("model_type"), cfg))
             write_json(tmp / CONFIG_FILE, cfg)
         if report is not None:
             write_json(tmp / REPORT_FILE, report)

@@ -359,11 +359,11 @@ class FA3QuantConfig(_Strict):
         )
 
 
-class Recipe(_Strict):
-    """A whole ``calibrate`` run: the FA3 processors (``spec.process``), in order,
-    and every other choice of the run, one section each (see the module)."""
+class _Sections(_Strict):
+    """The run's sections other than the processors, declared once: what a
+    :class:`Recipe` holds and what a recipe file's ``spec`` reads, in the order
+    :meth:`Recipe.to_document` writes them."""
 
-    processors: list[FA3QuantConfig] = Field(default_factory=list)
     source: SourceSettings = Field(default_factory=SourceSettings)
     data: DataSettings = Field(default_factory=DataSettings)
     target: TargetSettings = Field(default_factory=TargetSettings)
@@ -373,10 +373,17 @@ class Recipe(_Strict):
     attention: AttentionSettings = Field(default_factory=AttentionSettings)
     export: ExportSettings = Field(default_factory=ExportSettings)
     backend: StrictStr | None = None
-    metadata: dict[str, Any] | None = None
 
     _on_off = field_validator("rotation", mode="before")(yaml_on_off)
     _order = field_validator("transforms")(folding_order)
+
+
+class Recipe(_Sections):
+    """A whole ``calibrate`` run: the FA3 processors (``spec.process``), in order,
+    and every other choice of the run, one section each (see the module)."""
+
+    processors: list[FA3QuantConfig] = Field(default_factory=list)
+    metadata: dict[str, Any] | None = None
 
     def get(self, key: str) -> Any:
         """The value at a dotted recipe key (``"data.num_samples"``)."""
@@ -411,17 +418,7 @@ class Recipe(_Strict):
     def to_document(self) -> dict[str, Any]:
         """The recipe as the YAML document :func:`load_recipe` reads."""
         spec: dict[str, Any] = {}
-        for name in (
-            "source",
-            "data",
-            "target",
-            "linears",
-            "rotation",
-            "transforms",
-            "attention",
-            "export",
-            "backend",
-        ):
+        for name in _Sections.model_fields:
             value = getattr(self, name)
             spec[name] = value.model_dump() if isinstance(value, BaseModel) else value
             if name == "transforms":
@@ -465,22 +462,10 @@ def dump_recipe(recipe: Recipe, *, header: str = "") -> str:
     return comments + body
 
 
-class _Spec(_Strict):
+class _Spec(_Sections):
     process: list[FA3QuantConfig]
-    source: SourceSettings = Field(default_factory=SourceSettings)
-    data: DataSettings = Field(default_factory=DataSettings)
-    target: TargetSettings = Field(default_factory=TargetSettings)
-    linears: LinearSettings = Field(default_factory=LinearSettings)
-    rotation: Rotation = "auto"
-    transforms: list[Transform] = Field(default_factory=list)
-    attention: AttentionSettings = Field(default_factory=AttentionSettings)
-    export: ExportSettings = Field(default_factory=ExportSettings)
-    backend: StrictStr | None = None
     save: Any = None
     dataset: Any = None
-
-    _on_off = field_validator("rotation", mode="before")(yaml_on_off)
-    _order = field_validator("transforms")(folding_order)
 
     @field_validator("process")
     @classmethod
@@ -547,19 +532,9 @@ def load_recipe(path_or_text: str | os.PathLike[str]) -> Recipe:
     except ValidationError as exc:
         raise RecipeError(format_errors(exc, lines, source)) from None
     spec = parsed.spec
-    recipe = Recipe(
-        processors=list(spec.process),
-        source=spec.source,
-        data=spec.data,
-        target=spec.target,
-        linears=spec.linears,
-        rotation=spec.rotation,
-        transforms=list(spec.transforms),
-        attention=spec.attention,
-        export=spec.export,
-        backend=spec.backend,
-        metadata=parsed.metadata,
-    )
+    sections = {name: getattr(spec, name) for name in _Sections.model_fields}
+    sections["transforms"] = list(spec.transforms)
+    recipe = Recipe(processors=list(spec.process), metadata=parsed.metadata, **sections)
     if base_dir is None:
         return recipe
     relative = {

@@ -62,6 +62,7 @@ __all__ = [
     "used_weight_conversions",
     "revert_to_checkpoint_names",
     "checkpoint_prefix",
+    "in_memory_prefix",
     "output_cache",
     "tied_weight_keys",
     "cache_kwargs",
@@ -185,11 +186,27 @@ def checkpoint_prefix(model: Any) -> Callable[[str], str]:
         return _same
     used = getattr(model, "_weight_conversions", None) or []
     changes = [c.reverse_transform() for c in used if isinstance(c, PrefixChange)]
+    return _renamer(changes[::-1])
+
+
+def in_memory_prefix(model: Any) -> Callable[[str], str]:
+    """The inverse of :func:`checkpoint_prefix`: checkpoint names (an artifact's)
+    -> ``model``'s in-memory names, through the same ``PrefixChange`` conversions
+    in their loading direction."""
+    try:
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return _same
+    used = getattr(model, "_weight_conversions", None) or []
+    return _renamer([c for c in used if isinstance(c, PrefixChange)])
+
+
+def _renamer(changes: list[Any]) -> Callable[[str], str]:
     if not changes:
         return _same
     compiled = [
         (re.compile(src), tgt)
-        for c in changes[::-1]
+        for c in changes
         for src, tgt in zip(c.source_patterns, c.target_patterns, strict=True)
     ]
 

@@ -33,7 +33,7 @@ from ascend_fa.artifact import DESCRIPTION_FILE, inspect_artifact
 from ascend_fa.cli import main
 from ascend_fa.families import QWEN3_5, VLLM_ONLY, attention_kind, wrapper
 
-ARGS = ["--num-samples", "4", "--max-length", "16", "--batch-size", "2"]
+ARGS = ["--num-samples", "2", "--max-length", "12", "--batch-size", "2"]
 ARGS += ["--heldout", "0", "--no-report", "-q"]
 FULL = "model.language_model.layers.3.self_attn"
 
@@ -92,10 +92,11 @@ def test_wrapper_artifact_keeps_the_checkpoints_names_and_vision(src, artifact):
             written[n], source[n]
         )
         assert desc[n] == "FLOAT"
-    # config.json: the source's (the wrapper's), key for key
-    assert json.loads((artifact / "config.json").read_text()) == json.loads(
-        (src / "config.json").read_text()
-    )
+    # config.json: the source's (the wrapper's), key for key; the artifact
+    # states its dtype as torch_dtype too (what the transformers-4 readers read)
+    config = json.loads((artifact / "config.json").read_text())
+    assert config.pop("torch_dtype") == "bfloat16"
+    assert config == json.loads((src / "config.json").read_text())
     # packed pairs share one type; C8 on the full-attention layer only
     a = "model.language_model.layers.0.linear_attn"
     assert desc[f"{a}.in_proj_qkv.weight"] == desc[f"{a}.in_proj_z.weight"]
@@ -143,7 +144,8 @@ def test_ascend_targets_refuse_in_one_line(model_type, tmp_path, capsys):
     tiny_causal_lm(model_type, attn=None, vocab_size=260, hidden_size=32,
                    intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=16,
-                   num_local_experts=2).save_pretrained(src)  # fmt: skip
+                   num_local_experts=2, num_experts_per_tok=1,
+                   ).save_pretrained(src)  # fmt: skip
     arch = {"gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}
     for target, release in (("vllm-ascend", "0.23.0.post1"), ("mindie", "3.0.0")):
         out = tmp_path / target

@@ -205,6 +205,9 @@ def with_wrapper(ckpt: Any, source_dir: Path, source_type: str | None, net: Any)
     rename = wrapper_names(net)
     tensors = ckpt.tensors
     names = {rename(n): n for n in tensors}
+    layout = wrapper(source_type)
+    if layout is None and all(k == v for k, v in names.items()):
+        return ckpt
     if isinstance(tensors, LazyTensors):
         renamed: Any = LazyTensors(
             {k: tensors.specs[v] for k, v in names.items()},
@@ -213,7 +216,6 @@ def with_wrapper(ckpt: Any, source_dir: Path, source_type: str | None, net: Any)
     else:
         renamed = {k: tensors[v] for k, v in names.items()}
     types = {rename(n): t for n, t in ckpt.types.items()}
-    layout = wrapper(source_type)
     if layout is not None:
         reader = CheckpointReader(source_dir)
         kept = sorted(n for n in reader.names() if n.startswith(layout.kept))

@@ -246,7 +246,12 @@ def artifact_model(model: nn.Module, directory: str | Path) -> nn.Module | None:
     ``emulate`` run it beside the float ``model``."""
     import copy
 
-    tensors = read_artifact_tensors(directory)
+    from ascend_fa.hf_compat import in_memory_prefix
+
+    # a multimodal wrapper's artifact names its language model as the checkpoint
+    # does (model.language_model.*): under the loaded text model's names
+    rename = in_memory_prefix(model)
+    tensors = {rename(n): t for n, t in read_artifact_tensors(directory).items()}
     if not quantized_linear_names(tensors) and not _weights_differ(model, tensors):
         return None
     quantized = copy.deepcopy(model)

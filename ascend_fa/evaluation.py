@@ -74,6 +74,7 @@ from ascend_fa.eval_data import (
 )
 from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
+from ascend_fa.linear.io import spec_in_memory
 from ascend_fa.metrics import OutputError, residual_basis, token_kl, token_nll
 from ascend_fa.safe_files import read_json_object
 
@@ -300,25 +301,6 @@ def read_artifact_spec(directory: str | Path, fp8_rounding: str = "nearest") -> 
         if name in ("float16", "bfloat16"):
             dtype = resolve_dtype(name)
     return KVQuantSpec(kind, kv_scales, dtype, fp8_rounding)
-
-
-def _in_memory_names(net: nn.Module, spec: Any) -> Any:
-    """``spec`` (FA scales or a KV spec, keyed by the artifact's attention names)
-    under ``net``'s names: a multimodal wrapper's artifact keeps the checkpoint's
-    ``model.language_model.*``; the loaded language model says ``model.*``."""
-    import dataclasses
-
-    from ascend_fa.hf_compat import in_memory_prefix
-
-    rename = in_memory_prefix(net)
-    if isinstance(spec, Mapping):
-        return {rename(a): v for a, v in spec.items()}
-    if dataclasses.is_dataclass(spec) and isinstance(
-        getattr(spec, "scales", None), Mapping
-    ):
-        scales = {rename(a): v for a, v in spec.scales.items()}
-        return dataclasses.replace(spec, scales=scales)
-    return spec
 
 
 def _linears_only(path: Path) -> bool:
@@ -658,7 +640,7 @@ def run_eval(
         label = f"artifact {Path(artifact).name}"
         if fp8_rounding != "nearest":
             label += f" (FP8 {fp8_rounding})"
-        specs[label] = _in_memory_names(net, artifact_scales)
+        specs[label] = spec_in_memory(net, artifact_scales)
         quantized = artifact_model(net, artifact)
         if quantized is not None and dtype != "fp32":
             raise InputError(

@@ -32,6 +32,7 @@ from ascend_fa.adapters import get_adapter
 from ascend_fa.artifact import DESCRIPTION_FILE, inspect_artifact
 from ascend_fa.cli import main
 from ascend_fa.families import QWEN3_5, VLLM_ONLY, attention_kind, wrapper
+from ascend_fa.linear.io import spec_in_memory
 
 ARGS = ["--num-samples", "2", "--max-length", "12", "--batch-size", "2"]
 ARGS += ["--heldout", "0", "--no-report", "-q"]
@@ -136,6 +137,8 @@ def test_adapter_covers_the_full_attention_layers_only(src):
     net = transformers.AutoModelForCausalLM.from_pretrained(src)
     names = [n for n, _ in get_adapter(net).attention_modules(net)]
     assert names == ["model.layers.3.self_attn"]
+    # eval / emulate read the artifact's scales under the loaded model's names
+    assert list(spec_in_memory(net, {FULL: {}})) == names
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])

@@ -360,6 +360,8 @@ def _stated_thetas(artifact: str) -> set[float]:
     ``rope_theta`` / ``rope_local_base_freq`` and ``rope_parameters`` (flat, or
     per layer type)."""
     config = json.loads((Path(artifact) / "config.json").read_text())
+    # a multimodal wrapper states its language model's RoPE in text_config
+    config = {**config, **(config.get("text_config") or {})}
     rope = config.get("rope_parameters") or {}
     inner = [rope, *[v for v in rope.values() if isinstance(v, dict)]]
     values = [config.get("rope_theta"), config.get("rope_local_base_freq")]

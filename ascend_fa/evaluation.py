@@ -74,6 +74,7 @@ from ascend_fa.eval_data import (
 )
 from ascend_fa.families import is_mla
 from ascend_fa.linear import artifact_model
+from ascend_fa.linear.io import spec_in_memory
 from ascend_fa.metrics import OutputError, residual_basis, token_kl, token_nll
 from ascend_fa.safe_files import read_json_object
 
@@ -639,7 +640,7 @@ def run_eval(
         label = f"artifact {Path(artifact).name}"
         if fp8_rounding != "nearest":
             label += f" (FP8 {fp8_rounding})"
-        specs[label] = artifact_scales
+        specs[label] = spec_in_memory(net, artifact_scales)
         quantized = artifact_model(net, artifact)
         if quantized is not None and dtype != "fp32":
             raise InputError(

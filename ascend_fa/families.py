@@ -33,7 +33,22 @@ model_type     kind    notes
 ``glm_moe_dsa``  mla   as deepseek_v32; "shared" layers reuse the top-k
 ``gemma3_text``  gqa   as qwen3; sliding / full layers (``layer_types``);
                        norms scale by ``1 + weight``; sandwich norms
+``qwen3_5``    gqa_    as qwen3_next (dense MLP); Gated DeltaNet
+               hybrid  projections ``in_proj_qkv`` / ``in_proj_z`` /
+                       ``in_proj_b`` / ``in_proj_a``; released as the
+                       multimodal wrapper (:data:`WRAPPERS`)
+``qwen3_5_moe`` gqa_   as qwen3_5; MoE as qwen3_next
+               hybrid
+``gpt_oss``    gqa     sliding / full layers, per-head attention sinks;
+                       MoE (fused, biased experts); vLLM target only
+``llama4_text`` gqa    chunked / full layers, NoPE layers, interleaved
+                       (complex) RoPE; MoE; vLLM target only
 =============  ======  ===============================================
+
+A multimodal wrapper (:class:`Wrapper`, :data:`WRAPPERS`) is calibrated through
+its language model (transformers' ``AutoModelForCausalLM`` builds the text model
+from the wrapper's checkpoint); the artifact keeps the checkpoint's own names
+and its vision tower, float and byte for byte.
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
 routed experts (transformers 5's fused ``experts.gate_up_proj`` / ``down_proj``
@@ -59,6 +74,11 @@ __all__ = [
     "MOE_LAYOUTS",
     "MoeLayout",
     "moe_layout",
+    "QWEN3_5",
+    "VLLM_ONLY",
+    "WRAPPERS",
+    "Wrapper",
+    "wrapper",
     "reads_fa",
     "model_types",
     "norm_offset",
@@ -191,6 +211,37 @@ GEMMA3 = replace(
     norm_offset=1.0,
 )
 
+#: Qwen3.5 / Qwen3.5-MoE (text): Qwen3-Next's hybrid (Gated DeltaNet
+#: ``linear_attention`` layers, gated ``full_attention`` layers with q_norm /
+#: k_norm and partial RoPE, ``1 + w`` norms), with the DeltaNet input projections
+#: split per output (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+#: ``in_proj_a``), which vllm-ascend packs as ``in_proj_qkvz`` = [qkv, z] and
+#: ``in_proj_ba`` = [b, a] (vllm_ascend/quantization/modelslim_config.py
+#: ``packed_modules_model_mapping`` @v0.23.0 5cb98caa: ``qwen3_5`` /
+#: ``qwen3_5_moe``), so the two halves of a packed pair share one type
+#: (transformers ``models/qwen3_5/modeling_qwen3_5.py`` v5.25.0).
+QWEN3_5 = replace(GQA_HYBRID, linear_plan="qwen3_5")
+
+#: gpt-oss and Llama 4 (text): GQA attention the GQA adapter observes as it does
+#: Llama's (gpt-oss: the per-head sinks join the softmax after Q/K/V, transformers
+#: ``models/gpt_oss/modeling_gpt_oss.py`` ``s_aux``; Llama 4: K after its
+#: interleaved RoPE and L2 qk-norm, ``models/llama4/modeling_llama4.py``, v5.25.0),
+#: written for vLLM only (``--target vllm``: FP8 KV-cache scales). No Ascend
+#: consumer quantizes them: vllm-ascend has no quantization mapping for either
+#: (:mod:`ascend_fa.artifact.releases` rule ``quant.no-mapping``) and MindIE
+#: 3.0.0 has no model; no linear plan (gpt-oss's experts are biased and
+#: interleaved, Llama 4's sit in ``feed_forward``), no residual rotation, and no
+#: paged emulation (it runs neither sinks, chunked attention nor NoPE layers).
+VLLM_ONLY = replace(
+    GQA,
+    rope="gpt-oss: rotate-half over the head (YaRN); Llama 4: interleaved pairs "
+    "(2i, 2i + 1) on the RoPE layers, none on the NoPE layers",
+    linear_plan="none",
+    residual_rotation=False,
+    paged_emulation=False,
+    fa_targets=(),
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -207,7 +258,55 @@ FAMILIES: dict[str, AttentionKind] = {
     "deepseek_v32": MLA_DSA,
     "glm_moe_dsa": MLA_DSA,
     "gemma3_text": GEMMA3,
+    "qwen3_5": QWEN3_5,
+    "qwen3_5_moe": QWEN3_5,
+    # the language models inside the wrappers (their config's model_type)
+    "qwen3_5_text": QWEN3_5,
+    "qwen3_5_moe_text": QWEN3_5,
+    "gpt_oss": VLLM_ONLY,
+    "llama4_text": VLLM_ONLY,
 }
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose language model is calibrated.
+
+    ``text_prefix``: where the checkpoint keeps the language model's decoder
+    (the text model's ``model.`` names sit under it; ``lm_head`` stays at the
+    top); ``kept``: the prefixes of the towers written float as the checkpoint
+    holds them (names, dtype and bytes); ``text_type``: the language model's
+    ``model_type``.
+    """
+
+    text_prefix: str
+    kept: tuple[str, ...]
+    text_type: str
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's name of the text model's tensor (or module) ``name``."""
+        if name.startswith("model."):
+            return self.text_prefix + name[len("model.") :]
+        return name
+
+
+#: ``config.model_type`` of a wrapper -> where its language model sits. Qwen3.5's
+#: released checkpoints are ``Qwen3_5ForConditionalGeneration`` /
+#: ``Qwen3_5MoeForConditionalGeneration``: ``model.language_model.*``,
+#: ``model.visual.*``, ``lm_head`` (transformers ``models/qwen3_5/
+#: modeling_qwen3_5.py`` v5.25.0), the names vLLM's ``Qwen3_5ForConditional
+#: Generation`` maps (vllm ``models/qwen3_5.py`` ``hf_to_vllm_mapper``, v0.23.0).
+WRAPPERS: dict[str, Wrapper] = {
+    "qwen3_5": Wrapper("model.language_model.", ("model.visual.",), "qwen3_5_text"),
+    "qwen3_5_moe": Wrapper(
+        "model.language_model.", ("model.visual.",), "qwen3_5_moe_text"
+    ),
+}
+
+
+def wrapper(model_type: str | None) -> Wrapper | None:
+    """The wrapper layout of ``model_type`` (None: not a multimodal wrapper)."""
+    return WRAPPERS.get(model_type) if model_type is not None else None
 
 
 @dataclass(frozen=True)
@@ -248,6 +347,9 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {
     "mixtral": _MIXTRAL_MOE,
     "minimax_m2": _MIXTRAL_MOE,
     "qwen3_next": MoeLayout(shared="shared_expert", shared_gate="shared_expert_gate"),
+    "qwen3_5_moe_text": MoeLayout(
+        shared="shared_expert", shared_gate="shared_expert_gate"
+    ),
     "deepseek_v32": MoeLayout(shared="shared_experts"),
     "glm_moe_dsa": MoeLayout(shared="shared_experts"),
 }

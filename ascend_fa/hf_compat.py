@@ -61,6 +61,8 @@ __all__ = [
     "rotary_dim",
     "used_weight_conversions",
     "revert_to_checkpoint_names",
+    "checkpoint_prefix",
+    "in_memory_prefix",
     "output_cache",
     "tied_weight_keys",
     "cache_kwargs",
@@ -169,6 +171,55 @@ def revert_to_checkpoint_names(model: Any, tensors: dict[str, Any]) -> dict[str,
     except ImportError:  # 4.57: in-memory names are the checkpoint names
         return tensors
     return dict(revert_weight_conversion(model, tensors))
+
+
+def checkpoint_prefix(model: Any) -> Callable[[str], str]:
+    """The name map from ``model``'s in-memory tensor (or module) names to the
+    prefixes of the checkpoint it was loaded from: transformers 5's
+    ``PrefixChange`` conversions used by ``from_pretrained``, reversed (a
+    multimodal wrapper's language model loaded as its causal LM: ``model.*`` ->
+    ``model.language_model.*``); the identity when none was used (4.57, a model
+    built from its config, a checkpoint without the prefix)."""
+    try:
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # 4.57: in-memory names are the checkpoint names
+        return _same
+    used = getattr(model, "_weight_conversions", None) or []
+    changes = [c.reverse_transform() for c in used if isinstance(c, PrefixChange)]
+    return _renamer(changes[::-1])
+
+
+def in_memory_prefix(model: Any) -> Callable[[str], str]:
+    """The inverse of :func:`checkpoint_prefix`: checkpoint names (an artifact's)
+    -> ``model``'s in-memory names, through the same ``PrefixChange`` conversions
+    in their loading direction."""
+    try:
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return _same
+    used = getattr(model, "_weight_conversions", None) or []
+    return _renamer([c for c in used if isinstance(c, PrefixChange)])
+
+
+def _renamer(changes: list[Any]) -> Callable[[str], str]:
+    if not changes:
+        return _same
+    compiled = [
+        (re.compile(src), tgt)
+        for c in changes
+        for src, tgt in zip(c.source_patterns, c.target_patterns, strict=True)
+    ]
+
+    def rename(name: str) -> str:
+        for pattern, target in compiled:
+            name = pattern.sub(target, name, count=1)
+        return name
+
+    return rename
+
+
+def _same(name: str) -> str:
+    return name
 
 
 def _cache_name() -> str:

@@ -276,6 +276,9 @@ _FAMILY_ROWS = (
     ("minimax_m2",),
     ("qwen3_next",),
     ("gemma3_text",),
+    ("qwen3_5", "qwen3_5_moe"),
+    ("gpt_oss",),
+    ("llama4_text",),
     ("deepseek_v3",),
     ("deepseek_v32", "glm_moe_dsa"),
 )
@@ -307,6 +310,11 @@ def _vllm_ascend_cell(model_type: str, release: Any) -> str:
         families.reads_fa(model_type, "vllm-ascend"),
     )
     rule = releases.rule_for(release, scheme, arch)
+    if rule is not None and rule.scheme == "*" and not rule.loads:
+        # a rule about the model itself, whatever the artifact quantizes
+        if rule.id == "quant.no-mapping":
+            return "no quantization"
+        return "silently wrong" if rule.silent else "load error"
     if scheme == "linears":
         return "linears only"
     if rule is None:

@@ -16,6 +16,8 @@ __all__ = [
     "DEEPSEEK_TINY",
     "MOE_TINY",
     "save_tiny_moe",
+    "WRAPPED_TEXT",
+    "save_tiny_wrapper",
     "artifact_tensors",
     "int8_fraction",
     "plan_int8_fraction",
@@ -98,6 +100,64 @@ def save_tiny_moe(path: Path, model_type: str, *, seed: int = 0, **extra: Any) -
     config = {**_MOE_COMMON, **MOE_TINY[model_type], **extra}
     model = tiny_causal_lm(model_type, seed=seed, attn=None, **config)
     model.to(torch.bfloat16).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+#: The language model of a tiny Qwen3.5 wrapper: 4 layers, the last one full
+#: attention. vllm-ascend sizes one KV block to hold exactly one Gated DeltaNet
+#: state (its patch_mamba_config.py asserts "Cannot align ssm_page_size and
+#: attn_page_size" otherwise): [linear_num_value_heads, linear_key_head_dim,
+#: linear_value_head_dim] = 4 x 32 x 32 = 128 tokens x Hkv 2 x D 16.
+WRAPPED_TEXT: dict[str, Any] = dict(
+    vocab_size=260,
+    max_position_embeddings=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    tie_word_embeddings=False,
+)
+_WRAPPED_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+)
+#: wrapper model_type -> (its config class, its model class) in transformers
+_WRAPPERS = {
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+}
+
+
+def save_tiny_wrapper(path: Path, model_type: str, *, seed: int = 0) -> Path:
+    """A bf16 tiny multimodal checkpoint ``model_type`` (``qwen3_5`` /
+    ``qwen3_5_moe``) as released: transformers' ``...ForConditionalGeneration``
+    (``model.language_model.*``, a one-block vision tower ``model.visual.*``,
+    ``lm_head``) with :data:`WRAPPED_TEXT`, and the byte tokenizer."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in _WRAPPERS[model_type])
+    text = {**WRAPPED_TEXT, **(_WRAPPED_MOE if model_type.endswith("moe") else {})}
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+        out_hidden_size=WRAPPED_TEXT["hidden_size"], num_position_embeddings=16,
+        patch_size=4,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    config = config_cls(
+        text_config=text, vision_config=vision, tie_word_embeddings=False
+    )
+    model = model_cls(config).to(torch.bfloat16).eval()
+    model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
 

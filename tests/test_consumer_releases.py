@@ -200,6 +200,14 @@ CASES = [
     ("0.25.1rc1", "FAKQuant", "DeepseekV3ForCausalLM", None),
     ("main", "C8", "MistralForCausalLM", None),
     ("main", "FAKQuant", "DeepseekV3ForCausalLM", None),
+    # Qwen3.5's wrappers (the real loader, tests/test_vllm_ascend_loader.py)
+    ("0.13.0", "C8", "Qwen3_5MoeForConditionalGeneration", "arch.qwen3-5-unknown"),
+    ("0.18.0", "C8", "Qwen3_5MoeForConditionalGeneration", "c8.qwen3-5-dropped"),
+    ("0.23.0.post1", "C8", "Qwen3_5ForConditionalGeneration", "c8.qwen3-5-dropped"),
+    ("main", "C8", "Qwen3_5MoeForConditionalGeneration", None),
+    # no quantization mapping at any release
+    ("0.23.0.post1", "linears", "GptOssForCausalLM", "quant.no-mapping"),
+    ("main", "C8", "Llama4ForCausalLM", "quant.no-mapping"),
 ]
 
 

@@ -30,7 +30,14 @@ transformers = pytest.importorskip("transformers")
 
 RUN = ["--num-samples", "4", "--max-length", "32", "--batch-size", "2"]
 RUN += ["--heldout", "1", "--no-report", "-q"]
-NO_MODEL = ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa")
+NO_MODEL = ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa", "qwen3_5")
+NO_MODEL += (
+    "qwen3_5_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "gpt_oss",
+    "llama4_text",
+)
 
 
 def _calibrate(src: Path, out: Path, *extra: str) -> int:

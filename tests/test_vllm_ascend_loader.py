@@ -100,6 +100,10 @@ CASES = {
     "minimax_m2_dyn": ("minimax_m2", ("--linear", "w8a8_dynamic")),
     "qwen3_next_dyn": ("qwen3_next", ("--linear", "w8a8_dynamic")),
     "deepseek_v3_fak": ("deepseek_v3", ()),
+    # the multimodal wrappers as released (model.language_model.*, model.visual.*)
+    "qwen3_5_moe_c8": ("qwen3_5_moe", ("--linear", "none")),
+    "qwen3_5_moe_dyn": ("qwen3_5_moe", ("--linear", "w8a8_dynamic")),
+    "qwen3_5_dyn": ("qwen3_5", ("--linear", "w8a8_dynamic")),
     # config.json as transformers 5 saves it (no _as_released): Gemma 3's RoPE per
     # layer type; a Qwen3 whose theta (500000) is not transformers 4's default
     "gemma3_c8_tf5": ("gemma3_tf5", ("--linear", "none")),
@@ -134,7 +138,13 @@ def _env_python(release: str) -> Path:
 
 def _sources(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from builders import byte_tokenizer, save_tiny, save_tiny_moe, tiny_causal_lm
+    from builders import (
+        byte_tokenizer,
+        save_tiny,
+        save_tiny_moe,
+        save_tiny_wrapper,
+        tiny_causal_lm,
+    )
 
     bf16 = torch.bfloat16
     out = {f: save_tiny(root / f, f, dtype=bf16) for f in ("llama", "qwen2", "qwen3")}
@@ -176,6 +186,8 @@ def _sources(root: Path) -> dict[str, Path]:
         root / "qwen3_tf5", "qwen3", dtype=bf16,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     )  # fmt: skip
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        out[family] = save_tiny_wrapper(root / family, family)
     for family, keys in RELEASED_KEYS.items():
         _as_released(out[family] / "config.json", keys)
     # the router keys a real DeepSeek-V3 config carries
@@ -348,6 +360,8 @@ def _stated_thetas(artifact: str) -> set[float]:
     ``rope_theta`` / ``rope_local_base_freq`` and ``rope_parameters`` (flat, or
     per layer type)."""
     config = json.loads((Path(artifact) / "config.json").read_text())
+    # a multimodal wrapper states its language model's RoPE in text_config
+    config = {**config, **(config.get("text_config") or {})}
     rope = config.get("rope_parameters") or {}
     inner = [rope, *[v for v in rope.values() if isinstance(v, dict)]]
     values = [config.get("rope_theta"), config.get("rope_local_base_freq")]

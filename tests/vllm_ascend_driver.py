@@ -260,7 +260,16 @@ def landed(model, path: str, quant_config) -> dict:
     params.update(dict(model.named_buffers()))
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     shard_of = {s: (p, i) for p, shards in packed.items() for i, s in enumerate(shards)}
-    file = _file_tensors(path)
+    # a multimodal wrapper's checkpoint names (model.language_model.*) under the
+    # model's own names, by the model's own hf_to_vllm_mapper (vLLM's loader maps
+    # them so before load_weights)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    checkpoint = _file_tensors(path)
+    file, original = {}, {}
+    for name, tensor in checkpoint.items():
+        mapped = mapper._map_name(name) if mapper is not None else name
+        file[mapped or name] = tensor
+        original[mapped or name] = name
     result = {}
     for name, tensor in sorted(file.items()):
         if not _is_quantized(name, tensor):
@@ -302,7 +311,7 @@ def landed(model, path: str, quant_config) -> dict:
                     rows = params[target].shape[1] // 2
                     j = _W13[m_ex["proj"]]
                     held = params[target][e][j * rows : (j + 1) * rows]
-                result[name] = _equal(held, expected)
+                result[original[name]] = _equal(held, expected)
                 continue
         else:
             head, _, what = name.rpartition(".")
@@ -314,12 +323,12 @@ def landed(model, path: str, quant_config) -> dict:
                 if all(s in file for s in shards) and target in params:
                     start = sum(file[s].shape[0] for s in shards[:idx])
                     held = params[target][start : start + tensor.shape[0]]
-                    result[name] = _equal(held, tensor)
+                    result[original[name]] = _equal(held, tensor)
                     continue
         if target not in params:
-            result[name] = f"missing: no parameter {target}"
+            result[original[name]] = f"missing: no parameter {target}"
         else:
-            result[name] = _equal(params[target], expected)
+            result[original[name]] = _equal(params[target], expected)
     return result
 
 

@@ -74,6 +74,13 @@ MINDIE_NO_MODEL = frozenset(
         "Qwen3NextForCausalLM",
         "Gemma3ForCausalLM",
         "GlmMoeDsaForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        "GptOssForCausalLM",
+        "Llama4ForCausalLM",
+        "Llama4ForConditionalGeneration",
     }
 )
 #: MindIE 3.0.0 MoE architectures whose model builds no FA3 (``mindie.fa3.moe``)
@@ -377,6 +384,20 @@ MINDIE_MODELS: dict[str, MindieModel] = {
         *(
             MindieModel(t, **_NONE, citations=(_ROUTE, _NO_RUNTIME))
             for t in ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa")
+        ),
+        # MindIE 3.0.0 has no qwen3_5, gpt_oss nor llama4 model (atb_llm/models
+        # and mindie_llm/runtime/models at 8b4871ad); the wrappers' language
+        # models are listed under their own model_type too
+        *(
+            MindieModel(t, **_NONE, citations=(_ROUTE, _NO_RUNTIME))
+            for t in (
+                "qwen3_5",
+                "qwen3_5_moe",
+                "qwen3_5_text",
+                "qwen3_5_moe_text",
+                "gpt_oss",
+                "llama4_text",
+            )
         ),
     )
 }

@@ -102,6 +102,14 @@ _QKV_MODULE_CITES = (
     ),
 )
 
+_QWEN3_5 = frozenset(
+    {
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    }
+)
 LOADER_RULES: tuple[Rule, ...] = (
     Rule(
         "c8.qwen2-moe-qkv-module",
@@ -232,6 +240,54 @@ LOADER_RULES: tuple[Rule, ...] = (
                 "v0.23.0",
                 "Qwen3NextModel.load_weights L613 (name not in params_dict: "
                 "continue; v0.18.0: L1453, v0.13.0: L1075)",
+            ),
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", V018),
+        ),
+        silent=True,
+    ),
+    Rule(
+        "arch.qwen3-5-unknown",
+        "vllm-ascend",
+        "*",
+        ("0.13.0",),
+        _QWEN3_5,
+        False,
+        "its transformers 4.57 has no qwen3_5 / qwen3_5_moe config: vLLM's "
+        "ModelConfig raises ValidationError 'Value error, The checkpoint you are "
+        "trying to load has model type `qwen3_5` (`qwen3_5_moe`) but Transformers "
+        "does not recognize this architecture' before anything loads (the real "
+        "loader)",
+        (
+            Citation(
+                VLLM,
+                "vllm/transformers_utils/config.py",
+                "v0.13.0",
+                "get_config: AutoConfig.from_pretrained",
+            ),
+        ),
+    ),
+    Rule(
+        "c8.qwen3-5-dropped",
+        "vllm-ascend",
+        "C8",
+        ("0.18.0", "0.23.0.post1"),
+        _QWEN3_5,
+        False,
+        "loads without an error, but no C8 load_weights patch covers Qwen3.5: "
+        "Qwen3_5Model.load_weights renames <attn>.k_proj.kv_cache_* to "
+        "<attn>.qkv_proj.kv_cache_*, has no such parameter and skips it, so the "
+        "full-attention layers' C8 scales are dropped (k/v_cache_scale and offset "
+        "stay [1], the int8 cache runs with scale 1.0; the real loader, the "
+        "multimodal wrappers, 0.18.0 and 0.23.0.post1; their W8A8_DYNAMIC "
+        "linears land bit for bit)",
+        (
+            Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_gqa_c8.py", V023),
+            Citation(
+                VLLM,
+                "vllm/model_executor/models/qwen3_5.py",
+                "v0.23.0",
+                "Qwen3_5Model.load_weights L339-340 (name not in params_dict: "
+                "continue)",
             ),
             Citation(VLLM_ASCEND, "vllm_ascend/patch/worker/patch_qwen3_c8.py", V018),
         ),

@@ -156,6 +156,12 @@ _ARCHITECTURES = {
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -169,7 +175,38 @@ _GQA_C8_PATCHED = frozenset(
     {"Qwen3ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM"}
 )
 _LATER = ("0.25.1rc1", "main")
+#: Architectures vllm-ascend has no quantization mapping for at any release here.
+_NO_QUANT_MAPPING = frozenset(
+    {"GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration"}
+)
 RULES: tuple[Rule, ...] = (
+    Rule(
+        "quant.no-mapping",
+        "vllm-ascend",
+        "*",
+        ("0.13.0", "0.18.0", "0.23.0.post1", *_LATER),
+        _NO_QUANT_MAPPING,
+        False,
+        "no quantization mapping for gpt_oss / llama4 (no "
+        "packed_modules_model_mapping entry: vLLM's fused qkv_proj and experts "
+        "find no checkpoint names in quant_model_description.json), and serves "
+        "them bf16 only; use --target vllm (FP8 KV-cache scales)",
+        (
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/modelslim_config.py",
+                _V023,
+                "packed_modules_model_mapping",
+            ),
+            Citation(
+                VLLM_ASCEND,
+                "vllm_ascend/quantization/modelslim_config.py",
+                _MAIN,
+                "packed_modules_model_mapping",
+            ),
+        ),
+        verb="cannot quantize",
+    ),
     *DSA_RULES,
     *LOADER_RULES,
     Rule(

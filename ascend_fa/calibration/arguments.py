@@ -26,6 +26,8 @@ __all__ = [
     "streaming_plan",
     "warn_target",
     "with_carried",
+    "with_wrapper",
+    "wrapper_names",
 ]
 
 
@@ -180,6 +182,54 @@ def with_carried(ckpt: Any, source_dir: Path, config: Any, dtype: Any) -> Any:
     )
     types = {**ckpt.types, **dict.fromkeys(carried, "FLOAT")}
     return CheckpointTensors(tensors, types, ckpt.model_quant_type)
+
+
+def wrapper_names(net: Any) -> Any:
+    """The map from ``net``'s in-memory names to the checkpoint's
+    (:func:`ascend_fa.hf_compat.checkpoint_prefix`: a multimodal wrapper's
+    language model keeps ``model.language_model.*``); the identity otherwise."""
+    from ascend_fa.hf_compat import checkpoint_prefix
+
+    return checkpoint_prefix(net)
+
+
+def with_wrapper(ckpt: Any, source_dir: Path, source_type: str | None, net: Any) -> Any:
+    """``ckpt`` under the checkpoint's own names, followed by the towers of a
+    multimodal wrapper (:data:`ascend_fa.families.WRAPPERS`: Qwen3.5's
+    ``model.visual.*``) as the checkpoint holds them: same names, dtype and
+    values, typed FLOAT. Nothing changes for a model that is not a wrapper."""
+    from ascend_fa.artifact import CheckpointTensors, LazyTensors, TensorSpec
+    from ascend_fa.families import wrapper
+    from ascend_fa.fp8 import CheckpointReader
+
+    rename = wrapper_names(net)
+    tensors = ckpt.tensors
+    names = {rename(n): n for n in tensors}
+    layout = wrapper(source_type)
+    if layout is None and all(k == v for k, v in names.items()):
+        return ckpt
+    if isinstance(tensors, LazyTensors):
+        renamed: Any = LazyTensors(
+            {k: tensors.specs[v] for k, v in names.items()},
+            lambda k: tensors[names[k]],
+        )
+    else:
+        renamed = {k: tensors[v] for k, v in names.items()}
+    types = {rename(n): t for n, t in ckpt.types.items()}
+    if layout is not None:
+        reader = CheckpointReader(source_dir)
+        kept = sorted(n for n in reader.names() if n.startswith(layout.kept))
+        specs = {}
+        for n in kept:
+            info = reader.metadata(n)
+            specs[n] = TensorSpec(tuple(info.shape), info.dtype)
+        towers = LazyTensors(specs, lambda n: reader.tensor(n).contiguous())
+        if isinstance(renamed, LazyTensors):
+            renamed = renamed.then(towers)
+        else:
+            renamed = LazyTensors({}, renamed.__getitem__, renamed).then(towers)
+        types.update(dict.fromkeys(kept, "FLOAT"))
+    return CheckpointTensors(renamed, types, ckpt.model_quant_type)
 
 
 def check_streaming(

@@ -9,7 +9,7 @@ from typing import Any
 
 from ascend_fa import parallel
 
-from .arguments import picture_files, with_carried
+from .arguments import picture_files, with_carried, with_wrapper, wrapper_names
 from .plan import CalibrationPlan
 from .source import Source
 from .stages import AttentionPass, Heldout
@@ -107,7 +107,7 @@ def write_artifact(
     return Path(
         artifact.merge_into(
             plan.merge_into,
-            scales=attention.fa_scales,
+            scales=_renamed(attention.fa_scales, wrapper_names(source.net)),
             fa_quant_type=attention.fa_quant_type,
             output=plan.output,
             report=report,
@@ -115,7 +115,7 @@ def write_artifact(
             overwrite=plan.overwrite,
             force=plan.force,
             consumer=plan.target,
-            kv_scales=attention.kv_scales,
+            kv_scales=_renamed(attention.kv_scales, wrapper_names(source.net)),
             model_config=source.net.config.to_dict(),
             metadata=_provenance(plan, source),
         )
@@ -126,11 +126,18 @@ def _provenance(plan: CalibrationPlan, source: Source) -> dict[str, Any]:
     """What the artifact is made from and for (:mod:`ascend_fa.artifact.provenance`)."""
     from ascend_fa.artifact import resolve_release
     from ascend_fa.artifact.provenance import provenance_metadata
+    from ascend_fa.families import wrapper
 
     release = resolve_release(plan.target, plan.consumer_version)
     loaded = source.loaded
+    config = source.net.config.to_dict()
+    if not loaded.gguf_file and wrapper(_source_type(loaded)) is not None:
+        # a wrapper's language model: the source is the wrapper config.json states
+        from ascend_fa.artifact.model_files import read_source_config
+
+        config = read_source_config(loaded.source_dir) or config
     return provenance_metadata(
-        source.net.config.to_dict(),
+        config,
         source_dir=None if loaded.gguf_file else loaded.source_dir,
         consumer_version=None if release is None else release.name,
     )
@@ -157,6 +164,9 @@ def _export(
     )
     if source.kind is not None and source.kind.carried_layers and not loaded.gguf_file:
         ckpt = with_carried(ckpt, loaded.source_dir, net.config, dtype)
+    rename = wrapper_names(net)
+    if not loaded.gguf_file:
+        ckpt = with_wrapper(ckpt, loaded.source_dir, _source_type(loaded), net)
     metadata = {
         **_provenance(plan, source),
         **(transforms.description_metadata() if transforms is not None else {}),
@@ -171,9 +181,9 @@ def _export(
             plan.output,
             state_dict=ckpt.tensors,
             tensor_types=ckpt.types,
-            scales=attention.fa_scales,
+            scales=_renamed(attention.fa_scales, rename),
             fa_quant_type=attention.fa_quant_type,
-            kv_scales=attention.kv_scales,
+            kv_scales=_renamed(attention.kv_scales, rename),
             kv_strategy=plan.kv_strategy,
             target=plan.target,
             dtype=dtype,
@@ -188,6 +198,20 @@ def _export(
             metadata=metadata or None,
         )
     )
+
+
+def _renamed(scales: Any, rename: Any) -> Any:
+    """``{attention module: ...}`` under the checkpoint's module names."""
+    return {rename(a): v for a, v in scales.items()} if scales else scales
+
+
+def _source_type(loaded: Any) -> str | None:
+    """The ``model_type`` of the source's own config.json (a wrapper's, where
+    the loaded model is its language model)."""
+    from ascend_fa.artifact.model_files import read_source_config
+
+    config = read_source_config(loaded.source_dir)
+    return None if config is None else config.get("model_type")
 
 
 def _artifact_config(net: Any) -> dict[str, Any]:

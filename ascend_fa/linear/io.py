@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ __all__ = [
     "quantized_linear_names",
     "quantized_modules",
     "read_artifact_tensors",
+    "spec_in_memory",
 ]
 
 _SUFFIXES = (
@@ -246,9 +248,33 @@ def artifact_model(model: nn.Module, directory: str | Path) -> nn.Module | None:
     ``emulate`` run it beside the float ``model``."""
     import copy
 
-    tensors = read_artifact_tensors(directory)
+    from ascend_fa.hf_compat import in_memory_prefix
+
+    # a multimodal wrapper's artifact names its language model as the checkpoint
+    # does (model.language_model.*): under the loaded text model's names
+    rename = in_memory_prefix(model)
+    tensors = {rename(n): t for n, t in read_artifact_tensors(directory).items()}
     if not quantized_linear_names(tensors) and not _weights_differ(model, tensors):
         return None
     quantized = copy.deepcopy(model)
     load_quantized_model(quantized, tensors)
     return quantized
+
+
+def spec_in_memory(net: nn.Module, spec: Any) -> Any:
+    """``spec`` (FA scales or a KV spec, keyed by the artifact's attention names)
+    under ``net``'s names: a multimodal wrapper's artifact keeps the checkpoint's
+    ``model.language_model.*``; the loaded language model says ``model.*``."""
+    import dataclasses
+
+    from ascend_fa.hf_compat import in_memory_prefix
+
+    rename = in_memory_prefix(net)
+    if isinstance(spec, Mapping):
+        return {rename(a): v for a, v in spec.items()}
+    if dataclasses.is_dataclass(spec) and isinstance(
+        getattr(spec, "scales", None), Mapping
+    ):
+        scales = {rename(a): v for a, v in spec.scales.items()}
+        return dataclasses.replace(spec, scales=scales)
+    return spec

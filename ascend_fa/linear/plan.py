@@ -66,7 +66,13 @@ from typing import Any
 from torch import nn
 
 from ascend_fa.errors import UnsupportedError
-from ascend_fa.families import MoeLayout, attention_kind, model_types, moe_layout
+from ascend_fa.families import (
+    FAMILIES,
+    MoeLayout,
+    attention_kind,
+    model_types,
+    moe_layout,
+)
 from ascend_fa.hf_compat import require_transformers5
 
 from .experts import is_fused_experts
@@ -339,12 +345,36 @@ def _qwen3_next_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN0
     return LayerPlan(i, p, [qkvz, *mlp], experts)
 
 
+def _qwen3_5_layer(model: nn.Module, cfg, i: int) -> LayerPlan:  # noqa: ANN001
+    """Qwen3.5 / Qwen3.5-MoE: as Qwen3-Next (:func:`_qwen3_next_layer`), with the
+    Gated DeltaNet input split per output: ``in_proj_qkv`` and ``in_proj_z``
+    read the same input and vllm-ascend packs them as ``in_proj_qkvz`` (one
+    group, per token, unsmoothed, as Qwen3-Next's); ``in_proj_b`` / ``in_proj_a``
+    (packed ``in_proj_ba``: the beta and decay gates) and ``out_proj`` stay float
+    (vllm_ascend/quantization/modelslim_config.py ``packed_modules_model_mapping``
+    ``qwen3_5`` / ``qwen3_5_moe`` @v0.23.0 5cb98caa)."""
+    p = f"model.layers.{i}"
+    if cfg.layer_types[i] == "full_attention":
+        return _gqa_layer(model, cfg, i)
+    a = f"{p}.linear_attn"
+    qkvz = LinearGroup(
+        f"{a}.qkvz", "qkvz", (f"{a}.in_proj_qkv", f"{a}.in_proj_z"), dynamic=True
+    )
+    mlp, experts = _mlp_groups(model, p, moe_layout(cfg.model_type))
+    return LayerPlan(i, p, [qkvz, *mlp], experts)
+
+
 #: An attention kind's ``linear_plan`` -> the builder of one layer's plan.
 _LAYER_PLANS = {
     "gqa": _gqa_layer,
     "deepseek_v3": _deepseek_layer,
     "qwen3_next": _qwen3_next_layer,
+    "qwen3_5": _qwen3_5_layer,
 }
+
+
+def _planned_types() -> list[str]:
+    return [t for t in model_types() if FAMILIES[t].linear_plan in _LAYER_PLANS]
 
 
 def linear_plan(
@@ -366,7 +396,7 @@ def linear_plan(
     if layer_plan is None:
         raise UnsupportedError(
             f"--linear: no quantized-linear plan for model_type {model_type!r} "
-            f"(supported: {', '.join(model_types())})"
+            f"(supported: {', '.join(_planned_types())})"
         )
     plans = [layer_plan(model, cfg, i) for i in range(n)]
     for plan in plans:

@@ -92,10 +92,8 @@ def write_int8_twin(source: str | Path, out: str | Path) -> int:
     """Write the compressed-tensors W8A8 twin of the float model ``source`` to the
     new directory ``out``; returns how many linears it quantized. Refuses a source
     that already carries a ``quantization_config`` or holds routed experts (vLLM
-    serves compressed-tensors experts through another scheme)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
+    serves compressed-tensors experts through another scheme); nothing stays in
+    ``out`` then."""
     source, out = Path(source), Path(out)
     config = read_json_object(source / "config.json")
     if "quantization_config" in config:
@@ -104,6 +102,17 @@ def write_int8_twin(source: str | Path, out: str | Path) -> int:
             "vLLM int8 twin is made from the float source"
         )
     out.mkdir(parents=True)
+    try:
+        return _write(source, out, config)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # nothing half-written stays
+        raise
+
+
+def _write(source: Path, out: Path, config: dict) -> int:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     for f in source.iterdir():
         if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
             if not f.name.startswith("model.safetensors.index"):

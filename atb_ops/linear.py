@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +78,7 @@ from .native import native_kernels
 __all__ = [
     "FP19_MASK",
     "INT_GEMM_ENV",
+    "NATIVE_GEMM_MAX_M",
     "OUT_DTYPES",
     "IntGemmPath",
     "decode_deq_scale",
@@ -557,26 +560,94 @@ def _measured_int_mm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _chunked_gemm(x_q, weight)
 
 
+#: The native kernel takes products of at most this many rows (a decode step's
+#: tokens) on a CPU without int8 dot-product instructions; larger ones (a
+#: prefill) take the fp32 GEMM chunks, whose blocked GEMM amortizes the weight's
+#: conversion over the rows.
+NATIVE_GEMM_MAX_M = 16
+#: Products of at least this many multiply-adds are split over torch's threads
+#: (below it a thread hand-off costs more than it saves).
+_NATIVE_GEMM_SPLIT_MACS = 1 << 19
+
+
+def _native_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """:func:`int_gemm` by the native kernel (``atb_ops/csrc/int_gemm.c``: the same
+    int32, the weight read as int8) for contiguous CPU int8 operands of at most
+    :data:`NATIVE_GEMM_MAX_M` rows, else None. The output columns are split over
+    up to ``torch.get_num_threads()`` threads (the call releases the GIL)."""
+    m, k = x_q.shape
+    n = weight.shape[0]
+    if m > NATIVE_GEMM_MAX_M or x_q.dtype != torch.int8 or weight.dtype != torch.int8:
+        return None
+    if not (x_q.is_contiguous() and weight.is_contiguous()):
+        return None
+    kernels = native_kernels()
+    if kernels is None:
+        return None
+    out = torch.empty(m, n, dtype=torch.int32)
+    parts = 1
+    if m * k * n >= _NATIVE_GEMM_SPLIT_MACS:
+        parts = max(1, min(torch.get_num_threads(), n // 64))
+    if parts == 1:
+        rc = kernels.int_gemm(x_q, weight, out, (0, n))
+    else:
+        # column ranges in multiples of 8 rows of the weight
+        bounds = [min(n, (n * i // parts + 7) // 8 * 8) for i in range(parts + 1)]
+        bounds[-1] = n
+        pool = _gemm_pool(parts - 1)
+        futures = [
+            pool.submit(kernels.int_gemm, x_q, weight, out, (bounds[i], bounds[i + 1]))
+            for i in range(1, parts)
+        ]
+        rcs = [kernels.int_gemm(x_q, weight, out, (bounds[0], bounds[1]))]
+        rc = next((r for r in rcs + [f.result() for f in futures] if r != 0), 0)
+    return out if rc == 0 else None
+
+
+_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _gemm_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of ``workers`` threads for :func:`_native_gemm`, one per process (a
+    forked child makes its own: the parent's threads are not in it)."""
+    key = (os.getpid(), workers)
+    with _POOL_LOCK:
+        pool = _POOL.get(key)
+        if pool is None:
+            pool = _POOL[key] = ThreadPoolExecutor(
+                workers, thread_name_prefix="ascend-fa-gemm"
+            )
+        return pool
+
+
 def int_gemm(x_q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x_q @ weight^T`` of int8 operands ``[M, K]``, ``[N, K]``: the int32
     accumulator of the device, exact, as int32 ``[M, N]``. Any summation order gives
     the same integer (no partial sum leaves int32: ``K <= 65535`` keeps
     ``|sum| <= 65535 * 2**14 < 2**30``). On the CPU an int8 GEMM
     (``torch._int_mm``, int32 accumulation) where the CPU has int8 dot-product
-    instructions (:func:`int_gemm_path`); elsewhere, or where a torch build lacks it for
-    these operands, fp32 GEMMs over exact K chunks. ``K == 1`` always takes the
-    chunks: torch 2.13's ``_int_mm`` returns garbage for it on AMX CPUs (measured
-    on Intel Xeon with AMX: every ``[M > 1, 1] x [1, N]`` product of 3000 random
-    shapes wrong, every K >= 2 right)."""
-    if x_q.device.type == "cpu" and x_q.shape[1] > 1 and hasattr(torch, "_int_mm"):
+    instructions (:func:`int_gemm_path`); elsewhere the native kernel for up to
+    :data:`NATIVE_GEMM_MAX_M` rows (a decode step: it reads the int8 weight as
+    stored, AVX2 ``vpmaddwd`` into int32), and fp32 GEMMs over exact K chunks for
+    more rows, where a torch build lacks ``_int_mm`` for these operands, or
+    without the native kernels. ``K == 1`` never takes ``_int_mm``: torch 2.13's
+    returns garbage for it on AMX CPUs (measured on Intel Xeon with AMX: every
+    ``[M > 1, 1] x [1, N]`` product of 3000 random shapes wrong, every K >= 2
+    right)."""
+    if x_q.device.type == "cpu":
         path = int_gemm_path()
-        if path.int_mm:
+        if path.int_mm and x_q.shape[1] > 1 and hasattr(torch, "_int_mm"):
             try:
                 if path.timed:
                     return _measured_int_mm(x_q, weight)
                 return torch._int_mm(x_q, weight.t())
             except (RuntimeError, NotImplementedError):
                 pass
+        elif not path.int_mm:
+            native = _native_gemm(x_q, weight)
+            if native is not None:
+                return native
     return _chunked_gemm(x_q, weight)
 
 

@@ -688,6 +688,31 @@ class NativeKernels:
         )  # fmt: skip
         return None if rc != 0 else out
 
+    def int_gemm(
+        self,
+        x_q: torch.Tensor,
+        weight: torch.Tensor,
+        out: torch.Tensor,
+        cols: tuple[int, int],
+    ) -> int:
+        """Columns ``[cols[0], cols[1])`` of ``x_q @ weight^T`` (contiguous int8
+        ``[M, K]`` and ``[N, K]``) into contiguous int32 ``out`` ``[M, N]``, exact
+        (see ``atb_ops/csrc/int_gemm.c``). Returns 0 or the kernel's error code."""
+        m, k = x_q.shape
+        n = weight.shape[0]
+        return int(
+            self._lib.afa_int_gemm(
+                x_q.data_ptr(),
+                m,
+                weight.data_ptr(),
+                k,
+                n,
+                cols[0],
+                cols[1],
+                out.data_ptr(),
+            )  # fmt: skip
+        )
+
     def quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """The kernel's quantizer alone: codes of contiguous ``x`` under one scale
         (what the write stores; exposed so tests can sweep every input value)."""

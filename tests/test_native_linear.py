@@ -106,3 +106,78 @@ def test_other_rounding_mode_takes_the_eager_path():
     finally:
         libc.fesetround(old)
     assert torch.equal(got, want)
+
+
+def _naive_product(x, w):
+    """``x @ w^T`` by Python integers, one dot product at a time."""
+    xs, ws = x.tolist(), w.tolist()
+    return torch.tensor(
+        [[sum(a * b for a, b in zip(r, c, strict=True)) for c in ws] for r in xs],
+        dtype=torch.int32,
+    )
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_int_gemm_kernel_equals_naive_product(simd):
+    """The native int8 product (AVX2 and portable paths) equals Python's integer
+    dot products: rows 1-9 (the 4-row blocks and every remainder), K below,
+    at and off multiples of 16, extreme codes (-128 * -128 everywhere in a row),
+    column ranges that split the output."""
+    gen = torch.Generator().manual_seed(3)
+    kernels = native_kernels()
+    try:
+        kernels.set_simd(simd)
+        for m, k, n in [(1, 1, 3), (2, 15, 5), (3, 16, 7), (4, 31, 9), (5, 48, 4),
+                        (7, 100, 11), (8, 64, 6), (9, 17, 13)]:  # fmt: skip
+            x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+            w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+            x[0], w[0] = -128, -128
+            ref = _naive_product(x, w)
+            out = torch.full((m, n), 7, dtype=torch.int32)
+            cut = n // 2
+            assert kernels.int_gemm(x, w, out, (0, cut)) == 0
+            assert torch.equal(out[:, :cut], ref[:, :cut])
+            assert bool((out[:, cut:] == 7).all())  # only its own columns
+            assert kernels.int_gemm(x, w, out, (cut, n)) == 0
+            assert torch.equal(out, ref), (m, k, n)
+    finally:
+        kernels.set_simd(True)
+
+
+def test_int_gemm_kernel_refuses_a_bad_column_range():
+    x = torch.zeros(1, 16, dtype=torch.int8)
+    w = torch.zeros(4, 16, dtype=torch.int8)
+    out = torch.zeros(1, 4, dtype=torch.int32)
+    assert native_kernels().int_gemm(x, w, out, (2, 5)) == -1
+    assert native_kernels().int_gemm(x, w, out, (3, 2)) == -1
+
+
+def test_int_gemm_decode_rows_take_the_kernel_bit_equal(monkeypatch):
+    """``int_gemm`` on the fp32 path: up to NATIVE_GEMM_MAX_M rows go to the
+    kernel (split over threads for large products), more rows to the fp32
+    chunks; both equal the chunks' int32 bit for bit, K up to the int32 limit."""
+    from ascend_fa.atb_ops import linear as lin
+
+    monkeypatch.setattr(lin, "_CPU_INT_MM", False)
+    gen = torch.Generator().manual_seed(5)
+    calls = []
+    real = native_kernels().int_gemm
+    monkeypatch.setattr(
+        type(native_kernels()), "int_gemm",
+        lambda self, *a: calls.append(a[3]) or real(*a),
+    )  # fmt: skip
+    for m, k, n in [(1, 576, 960), (8, 1536, 576), (16, 2048, 1024), (17, 64, 8)]:
+        x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+        w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+        calls.clear()
+        got = lin.int_gemm(x, w)
+        assert torch.equal(got, lin._chunked_gemm(x, w)), (m, k, n)
+        assert bool(calls) == (m <= lin.NATIVE_GEMM_MAX_M)
+        if calls:
+            covered = sorted(calls)
+            assert covered[0][0] == 0 and covered[-1][1] == n
+    # the largest |sum| K allows: every product 2**14
+    k = 65535
+    x = torch.full((2, k), -128, dtype=torch.int8)
+    w = torch.full((3, k), -128, dtype=torch.int8)
+    assert bool((lin.int_gemm(x, w) == k * 2**14).all())

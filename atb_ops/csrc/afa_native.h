@@ -104,4 +104,12 @@ AFA_API int afa_static_dequant(const int32_t *acc, int64_t m, int64_t n,
                                const int32_t *qb, const float *deq, int bf16,
                                void *out);
 
+/* -- exact integer product of the linears (int_gemm.c) ----------------------------- */
+
+/* out [m, n] int32 = x [m, k] int8 times w [n, k] int8 transposed, columns [n0, n1)
+   only (each thread of the caller takes a range). Returns 0, -1 for a bad range,
+   -2 when out of memory (nothing written). */
+AFA_API int afa_int_gemm(const int8_t *x, int64_t m, const int8_t *w, int64_t k,
+                         int64_t n, int64_t n0, int64_t n1, int32_t *out);
+
 #endif /* AFA_NATIVE_H */

@@ -32,6 +32,7 @@ import pytest
 import torch
 from test_vllm_serving import (  # noqa: F401  (fixtures)
     DRIVER,
+    MOE,
     TEXTS,
     _source,
     demo_c8,
@@ -70,7 +71,7 @@ def _drive(python: Path, site: Path, req: dict, tmp: Path,
     # the workers of a TP engine log to stdout too: the result is its own line
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"cpu"')]
     assert lines, proc.stdout[-3000:]
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), "log": proc.stdout + proc.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +304,30 @@ def test_seeded_n_samples_alone_and_batched(features):
     assert all(len(s) == 3 for s in alone)
     assert alone == batch
     assert all(len({tuple(x) for x in s}) > 1 for s in alone)
+
+
+def test_tp_refuses_moe_experts_in_one_line(vllm_python, overlay, tmp_path):  # noqa: F811
+    """W8A8_DYNAMIC MoE experts (the tiny Qwen3-MoE of test_vllm_serving.py) at
+    ``tensor_parallel_size=2``: the engine does not start, and the workers' log
+    holds one line naming the experts layer and the TP size."""
+    from ascend_fa.cli import main
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    src = _source(tmp_path / "moe_src", "qwen3_moe", **MOE)
+    art = tmp_path / "moe"
+    args = ["calibrate", "--model", str(src), "--linear", "w8a8_dynamic",
+            "--target", "vllm-ascend", "--consumer-version", "main", "--calib-data",
+            str(calib), "--num-samples", "8", "--max-length", "48", "--heldout",
+            "0", "--no-report", "-q", "--output", str(art)]  # fmt: skip
+    assert main(args) == 0
+    runs = [{"model": str(art), "quantization": "ascend",
+             "llm_kwargs": {"tensor_parallel_size": 2}}]  # fmt: skip
+    req = {"runs": runs, "prompts": [[65, 66, 67]], "max_tokens": 2, "logprobs": 1}
+    got = _drive(vllm_python, overlay, req, tmp_path,
+                 {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # fmt: skip
+    assert "refused" in got["runs"][0], "the engine started"
+    needle = "on one worker only, not with tensor_parallel_size 2"
+    lines = {ln.split("] ", 1)[-1] for ln in got["log"].splitlines() if needle in ln}
+    assert any(".mlp.experts: the ascend-fa vLLM plugin serves W8A8_DYNAMIC MoE "
+               "experts" in ln for ln in lines), got["log"][-3000:]  # fmt: skip

@@ -6,13 +6,25 @@ there only through the overlay on PYTHONPATH (``ci/vllm_plugin_overlay.sh``).
     python tests/vllm_serving_driver.py REQUEST.json
 
 REQUEST: ``{"runs": [{"model": DIR, "quantization": "ascend" | null, "probe":
-PATH | null, "env": {NAME: VALUE}, "llm_kwargs": {...}}], "prompts": [[ids]],
-"max_tokens": N, "logprobs": K}`` (``env``: set while that engine starts;
-``llm_kwargs``: more keyword arguments of ``vllm.LLM``).
+PATH | null, "env": {NAME: VALUE}, "llm_kwargs": {...}, "sampling": {...},
+"alone": bool, "dump": PATH | null}], "prompts": [[ids]], "max_tokens": N,
+"logprobs": K}`` (``env``: set while that engine starts; ``llm_kwargs``: more
+keyword arguments of ``vllm.LLM``; ``sampling``: ``SamplingParams`` fields in
+place of greedy decoding's, e.g. ``{"n": 2, "seed": 7, "temperature": 0.8}``
+(``"prompt_logprobs": null``: vLLM reads no prefix cache for a request that
+asks for them);
+``alone``: one ``generate`` call per prompt, in order, instead of one batch).
 
 Output (last stdout line): ``{"cpu": ..., "runs": [{"outputs": [{"prompt_logprobs",
-"tokens", "logprobs"}], "num_blocks": n, "block_size": bs, "cache_dtype": str}]}``;
-a run the engine refused at start-up carries ``"refused": "<Type>: <message>"``.
+"tokens", "logprobs", "samples", "num_cached_tokens"}], "num_blocks": n,
+"block_size": bs, "num_preemptions": n | null}]}`` (``samples``: the tokens of
+each of the ``n`` sequences); a run the engine refused at start-up carries
+``"refused": "<Type>: <message>"``.
+
+``dump`` (plugin runs): each worker (one per tensor-parallel rank) saves to
+``PATH.<rank>`` what its layers hold after loading, through vLLM's
+``collective_rpc``: every plugin linear's module buffers, with the layer's kind
+(column- or row-parallel) and TP rank, and every attention layer's scales.
 
 ``probe`` (plugin runs): saves to PATH, for the first attention layer, the K / V
 its first cache write received with the slots, and the int8 codes the cache holds
@@ -112,6 +124,44 @@ class _Probe:
         }, path)  # fmt: skip
 
 
+def _dump_worker(worker, path: str) -> str:
+    """Runs in each vLLM worker (``collective_rpc``): module doc, ``dump``."""
+    import torch
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from ascend_fa.serving.tensor_parallel import tp_rank_size
+
+    rank, size = tp_rank_size()
+    model = worker.model_runner.model
+    linears, attention = {}, {}
+    for name, mod in model.named_modules():
+        lin = getattr(mod, "ascend_linear", None)
+        if lin is not None:
+            bufs = {k: v.clone() for k, v in lin.state_dict().items()}
+            kind = "row" if isinstance(mod, RowParallelLinear) else "column"
+            linears[name] = {"kind": kind, "tensors": bufs,
+                             "prefix": getattr(mod, "prefix", name)}  # fmt: skip
+        scales = getattr(mod, "ascend_kv_scales", None)
+        if scales is not None:
+            attention[mod.layer_name] = {k: None if v is None else v.clone()
+                                         for k, v in scales.items()}  # fmt: skip
+    out = f"{path}.{rank}"
+    torch.save({"rank": rank, "size": size, "linears": linears,
+                "attention": attention}, out)  # fmt: skip
+    return out
+
+
+def _preemptions(llm) -> int | None:
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # stats off: not counted
+        return None
+    for m in metrics:
+        if m.name == "vllm:num_preemptions":
+            return int(m.value)
+    return None
+
+
 def run_engine(req: dict, run: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -131,21 +181,30 @@ def run_engine(req: dict, run: dict) -> dict:
         for k in run.get("env", {}):
             os.environ.pop(k, None)
     cfg = llm.llm_engine.vllm_config.cache_config
-    params = SamplingParams(
-        temperature=0.0, max_tokens=req.get("max_tokens", 8),
-        logprobs=req.get("logprobs", 5), prompt_logprobs=req.get("logprobs", 5),
-        ignore_eos=True,
-    )  # fmt: skip
+    sampling = {"temperature": 0.0, "max_tokens": req.get("max_tokens", 8),
+                "logprobs": req.get("logprobs", 5), "ignore_eos": True,
+                "prompt_logprobs": req.get("logprobs", 5),
+                **run.get("sampling", {})}  # fmt: skip
+    params = SamplingParams(**sampling)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    if run.get("alone"):
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
     if probe is not None:
         probe.save(run["probe"])
+    dumps = None
+    if run.get("dump"):
+        dumps = llm.collective_rpc(_dump_worker, args=(run["dump"],))
     return {
         "num_blocks": cfg.num_gpu_blocks, "block_size": cfg.block_size,
+        "num_preemptions": _preemptions(llm), "dumps": dumps,
         "outputs": [{
-            "prompt_logprobs": _lp(o.prompt_logprobs),
+            "prompt_logprobs": _lp(o.prompt_logprobs or []),
             "tokens": list(o.outputs[0].token_ids),
             "logprobs": _lp(o.outputs[0].logprobs),
+            "samples": [list(c.token_ids) for c in o.outputs],
+            "num_cached_tokens": o.num_cached_tokens,
         } for o in outs],
     }  # fmt: skip
 

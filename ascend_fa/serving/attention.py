@@ -45,6 +45,8 @@ from ascend_fa import settings
 from ascend_fa.attention import paged_attention, prefill_attention, reshape_and_cache
 from ascend_fa.emulation.scales import load_scales
 
+from .tensor_parallel import head_slice, tp_rank_size
+
 __all__ = [
     "SCALE_MAPPER_REGEX",
     "AscendAttentionMethod",
@@ -52,6 +54,7 @@ __all__ = [
     "AscendCPUAttentionImpl",
     "cache_views",
     "doubled_slots",
+    "rank_scales",
 ]
 
 #: Checkpoint name -> vLLM Attention parameter name (regex, replacement).
@@ -298,9 +301,15 @@ class AscendAttentionMethod(BaseKVCacheMethod):
         self.scheme = scheme
 
     def create_weights(self, layer) -> None:
+        from vllm.config import get_current_vllm_config
+
         super().create_weights(layer)
         layout = settings.get(LAYOUT_ENV)
         layer.ascend_loaded = {}
+        # the file holds every head; this rank serves a slice (.tensor_parallel)
+        rank, size = tp_rank_size()
+        total_kv = get_current_vllm_config().model_config.get_total_num_kv_heads()
+        layer.ascend_tp = (rank, size, layer.num_heads * size, total_kv)
         for base in self.names:
             for kind in ("scale", "offset"):
                 p = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
@@ -331,16 +340,50 @@ class AscendAttentionMethod(BaseKVCacheMethod):
                     )
         else:
             entry = {b: (got[f"{b}_scale"], got[f"{b}_offset"]) for b in self.names}
+        rank, size, heads, kv_heads = layer.ascend_tp
+        # checked against the whole model, as a single worker loads them, then
+        # this rank's heads
         (scales,) = load_scales(
             {attn: entry}, mode=self.mode, layer_names=[attn],
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_size,
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=layer.head_size,
         )  # fmt: skip
-        layer.ascend_kv_scales = scales
+        layer.ascend_kv_scales = rank_scales(
+            scales, attn, rank, size, layer.num_heads, layer.num_kv_heads
+        )
         for base in self.names:
             for kind in ("scale", "offset"):
                 delattr(layer, f"{base}_{kind}")
         del layer.ascend_loaded
+
+
+def rank_scales(
+    scales: dict[str, torch.Tensor],
+    attn: str,
+    rank: int,
+    size: int,
+    num_heads: int,
+    num_kv_heads: int,
+) -> dict[str, torch.Tensor]:
+    """The whole layer's scales (``q`` ``[H]``, ``k`` / ``v`` ``[Hkv(, D)]``)
+    cut to the heads rank ``rank`` of ``size`` serves (:func:`.tensor_parallel.
+    head_slice`), checked against the layer's ``num_heads`` / ``num_kv_heads``."""
+    if size == 1:
+        return scales
+    out = {}
+    for key, t in scales.items():
+        if t is None:
+            out[key] = None
+            continue
+        want = num_heads if key == "q" else num_kv_heads
+        branch = f"{attn}.{'fa_q' if key == 'q' else key} scale"
+        part = t[head_slice(t.shape[0], rank, size, branch)].contiguous()
+        if part.shape[0] != want:
+            raise ValueError(
+                f"{branch}: rank {rank} of {size} gets {part.shape[0]} heads, vLLM's "
+                f"layer there has {want}"
+            )
+        out[key] = part
+    return out
 
 
 def _store(layer, name: str):

@@ -23,9 +23,14 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from ascend_fa.atb_ops.linear import int_gemm, static_dequant
 from ascend_fa.linear.modules import W8A8DynamicLinear, W8A8Linear
 
-__all__ = ["AscendW8A8DynamicLinearMethod", "AscendW8A8LinearMethod"]
+__all__ = [
+    "AscendW8A8DynamicLinearMethod",
+    "AscendW8A8LinearMethod",
+    "row_parallel_float",
+]
 
 _SHARD_INDEX = {"q": 0, "k": 1, "v": 2}
 
@@ -69,6 +74,75 @@ def _add(layer, name: str, tensor: torch.Tensor, loader: Callable, **attrs) -> N
     layer.register_parameter(name, param)
     set_weight_attrs(param, attrs)
     param.weight_loader = _checked_loader(f"{prefix}.{name}", param, loader)
+
+
+def _row_parallel_group(layer):
+    """The process group (gloo, CPU) of a row-parallel ``layer`` split over
+    more than one TP rank and reduced by vLLM; None for any other layer."""
+    from vllm.distributed import get_tp_group
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    if not isinstance(layer, RowParallelLinear) or layer.tp_size == 1:
+        return None
+    if not layer.reduce_results:
+        return None  # summed by its caller: not the plain all-reduce below
+    return get_tp_group().cpu_group
+
+
+def row_parallel_float(method):
+    """vLLM's ``UnquantizedLinearMethod`` instance ``method`` (a FLOAT linear of
+    the artifact) with, on a row-parallel layer split over TP ranks, the single
+    worker's rounding: each rank's fp32 partial product (bf16 operands: every
+    product exact in fp32), summed in fp32 over the ranks, the bias added and the
+    sum rounded to the model dtype once; rank 0 returns it and the others zeros
+    (:func:`_row_parallel_static`). vLLM's own path rounds each rank's partial to
+    bf16 and sums the bf16 values, whose rounding a downstream static activation
+    quantization turns into other int8 codes. Elsewhere ``method`` is unchanged;
+    its class stays (vLLM picks weight loaders by the method's class name)."""
+    after = method.process_weights_after_loading
+    apply = method.apply
+
+    def process_weights_after_loading(layer) -> None:
+        if _row_parallel_group(layer) is None:
+            return after(layer)
+        layer.ascend_weight32 = layer.weight.data.float()
+        return None
+
+    def apply_tp(layer, x: torch.Tensor, bias: torch.Tensor | None = None):
+        group = _row_parallel_group(layer)
+        if group is None:
+            return apply(layer, x, bias)
+        y = torch.nn.functional.linear(x.float(), layer.ascend_weight32)
+        torch.distributed.all_reduce(y, group=group)
+        # vLLM hands the bias to rank 0 only; the sum gets it once, on every rank
+        if layer.bias is not None and not layer.skip_bias_add:
+            y = y + layer.bias.float()
+        y = y.to(x.dtype)
+        return y if layer.tp_rank == 0 else torch.zeros_like(y)
+
+    method.process_weights_after_loading = process_weights_after_loading
+    method.apply = apply_tp
+    return method
+
+
+def _row_parallel_static(
+    lin: W8A8Linear, x: torch.Tensor, group, rank: int
+) -> torch.Tensor:
+    """A row-parallel W8A8 linear with the single worker's numerics, bit for
+    bit: each rank's int32 accumulator over its slice of ``K`` (codes of its
+    slice of ``x`` ``[..., K/N]``, one static scale for all), summed exactly over
+    the ranks, then the epilogue ``(acc + quant_bias) * deq_scale`` once. Rank 0
+    returns it and the others zeros, so vLLM's all-reduce of the outputs leaves
+    it unchanged (``y + 0 == y``). On the device each rank applies its epilogue
+    (``quant_bias`` on rank 0 only, vllm-ascend) and the bf16 outputs are
+    summed; summing the integers instead keeps TP's outputs those of one
+    worker, as the integer product is exact in any order."""
+    q = lin.quantize_input(x)
+    acc = int_gemm(q, lin.weight)
+    torch.distributed.all_reduce(acc, group=group)
+    y = static_dequant(acc, lin.deq_scale, lin.quant_bias, x.dtype)
+    y = y.view(*x.shape[:-1], lin.out_features)
+    return y if rank == 0 else torch.zeros_like(y)
 
 
 def _name(layer) -> str:
@@ -143,13 +217,14 @@ class AscendW8A8LinearMethod(_AscendLinearMethod):
                 f"({scales.tolist()} / {offsets.tolist()}); a fused linear "
                 "quantizes its input once (one value for all shards)"
             )
+        quant_bias = layer.quant_bias.data
         tensors = {
             "weight": layer.weight.data,
             "weight_scale": layer.weight_scale.data,
             "input_scale": scales[:1],
             "input_offset": offsets[:1],
             "deq_scale": layer.deq_scale.data,
-            "quant_bias": layer.quant_bias.data,
+            "quant_bias": quant_bias,
         }
         layer.ascend_linear = W8A8Linear.from_tensors(name, tensors, layer.ascend_dtype)
         for p in ("weight", "weight_scale", "weight_offset", "input_scale",
@@ -159,7 +234,10 @@ class AscendW8A8LinearMethod(_AscendLinearMethod):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None):
         # the float bias is folded into quant_bias (msModelSlim's quant_bias
         # formula), as on the device: ``.bias`` is not added again
-        return layer.ascend_linear(x)
+        group = _row_parallel_group(layer)
+        if group is None:
+            return layer.ascend_linear(x)
+        return _row_parallel_static(layer.ascend_linear, x, group, layer.tp_rank)
 
 
 class AscendW8A8DynamicLinearMethod(_AscendLinearMethod):

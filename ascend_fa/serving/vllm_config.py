@@ -50,9 +50,14 @@ from ascend_fa.errors import UnsupportedError
 from .attention import SCALE_MAPPER_REGEX, AscendAttentionMethod
 from .description import ServingDescription, check_tensors, tensor_dtypes
 from .experts import AscendW8A8DynamicMoEMethod
-from .linear import AscendW8A8DynamicLinearMethod, AscendW8A8LinearMethod
+from .linear import (
+    AscendW8A8DynamicLinearMethod,
+    AscendW8A8LinearMethod,
+    row_parallel_float,
+)
 from .loaded import tracked_method
 from .mla import MLA_SCALE_MAPPER_REGEX, AscendMLAMethod
+from .tensor_parallel import tp_rank_size
 
 __all__ = ["CONSUMER_ENV", "QUANT_METHOD", "AscendQuantConfig"]
 
@@ -86,6 +91,17 @@ def _shards(layer) -> list | None:
     if isinstance(layer, MergedColumnParallelLinear):
         return list(range(len(layer.output_sizes)))
     return None
+
+
+def _single_worker(prefix: str, what: str) -> None:
+    """Refuse ``what`` under tensor parallelism (one line): the plugin serves it
+    on one worker only (its per-rank split is not implemented and checked)."""
+    _, size = tp_rank_size()
+    if size > 1:
+        raise UnsupportedError(
+            f"{prefix}: the ascend-fa vLLM plugin serves {what} on one worker "
+            f"only, not with tensor_parallel_size {size}"
+        )
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -194,13 +210,18 @@ class AscendQuantConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             kind = self.description.linear_type(prefix, self.packed_modules_mapping)
             method = _LINEAR_METHODS.get(kind)
-            made = UnquantizedLinearMethod() if method is None else method()
+            made = (
+                row_parallel_float(UnquantizedLinearMethod())
+                if method is None
+                else method()
+            )
             return tracked_method(made, prefix, _shards(layer), _NOT_READ.get(kind, ()))
         if isinstance(layer, VocabParallelEmbedding):
             return tracked_method(UnquantizedEmbeddingMethod(), prefix)
         if isinstance(layer, RoutedExperts):
             kind = self.description.expert_type(prefix)
             if kind == "W8A8_DYNAMIC":
+                _single_worker(prefix, "W8A8_DYNAMIC MoE experts")
                 return AscendW8A8DynamicMoEMethod(layer.moe_config)
             if kind != "FLOAT":
                 raise UnsupportedError(
@@ -218,6 +239,7 @@ class AscendQuantConfig(QuantizationConfig):
                 )
             if scheme is None:
                 return None
+            _single_worker(prefix, "FAKQuant (MLA) attention")
             return AscendMLAMethod(self, self.description.target == "vllm-ascend")
         if isinstance(layer, Attention):
             scheme = self.attention_scheme()

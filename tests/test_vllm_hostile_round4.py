@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
-from test_vllm_serving import TEXTS, _source, drive, overlay, vllm_python  # noqa: F401
+from test_vllm_serving import TEXTS, _source, drive
 
 pytestmark = pytest.mark.slow
 

@@ -46,8 +46,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV_SCRIPT = ROOT / "ci" / "vllm_cpu_env.sh"
-OVERLAY_SCRIPT = ROOT / "ci" / "vllm_plugin_overlay.sh"
 DRIVER = ROOT / "tests" / "vllm_serving_driver.py"
 
 #: Max |logprob| difference, vLLM's float source vs transformers on it (bf16
@@ -86,31 +84,6 @@ TEXTS = [
 
 def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() == "true"
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600,
-        env=env,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        msg = f"ci/vllm_cpu_env.sh failed (exit {proc.returncode}): {tail}"
-        if _in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python"
-
-
-@pytest.fixture(scope="module")
-def overlay(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("overlay") / "site"
-    env = {**os.environ, "PYTHON": sys.executable}
-    subprocess.run(["bash", str(OVERLAY_SCRIPT), str(out)], check=True,
-                   capture_output=True, text=True, env=env)  # fmt: skip
-    return out
 
 
 def _source(path: Path, model_type: str, **extra) -> Path:
@@ -512,54 +485,6 @@ def _stop(proc, signal) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-
-
-@pytest.fixture(scope="module")
-def demo_default(tmp_path_factory) -> Path:
-    """The default demo artifact: ``ascend-fa calibrate`` with no model and no
-    target (the embedded SmolLM2, W8A8 linears + FAQuant for MindIE), calibrated
-    on 4 x 64 tokens to stay cheap."""
-    pytest.importorskip("gguf")
-    from ascend_fa.cli import main
-
-    out = tmp_path_factory.mktemp("demo") / "smollm2"
-    args = ["calibrate", "--num-samples", "4", "--max-length", "64", "--heldout",
-            "0", "--no-report", "-q", "--output", str(out)]  # fmt: skip
-    rc = main(args)
-    if rc != 0 and not _in_ci():
-        pytest.skip(f"calibrate exited {rc} (no demo model here?)")
-    assert rc == 0
-    assert (out / "quant_model_description.json").is_file()
-    return out
-
-
-@pytest.fixture(scope="module")
-def demo_c8(tmp_path_factory) -> dict:
-    """The demo model's vllm-ascend C8 artifact: ``ascend-fa calibrate --target
-    vllm-ascend --consumer-version main`` on the embedded SmolLM2 default (a Llama:
-    float linears, per-channel int8 KV cache), calibrated on 4 x 64 tokens to stay
-    cheap; with the source model in bf16 and its tokenizer."""
-    pytest.importorskip("gguf")
-    from ascend_fa.cli import main
-    from ascend_fa.model_cache import ensure_gguf_cache
-    from ascend_fa.models import ModelNotFoundError, load_model
-
-    try:
-        loaded = load_model(None, dtype=torch.bfloat16)
-    except ModelNotFoundError as exc:
-        if _in_ci():
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    # the GGUF as a Hugging Face directory (the model cache's), for vLLM
-    source = ensure_gguf_cache(loaded.source_dir / loaded.gguf_file)
-    out = tmp_path_factory.mktemp("demo") / "smollm2_c8"
-    args = ["calibrate", "--target", "vllm-ascend", "--consumer-version", "main",
-            "--num-samples", "4", "--max-length", "64", "--heldout", "0",
-            "--no-report", "-q", "--output", str(out)]  # fmt: skip
-    assert main(args) == 0
-    prompts = [loaded.tokenizer(t)["input_ids"] for t in (TEXTS[0], TEXTS[1])]
-    return {"artifact": out, "source": source, "model": loaded.model.eval(),
-            "prompts": prompts}  # fmt: skip
 
 
 def test_demo_c8_artifact_serves_and_matches_emulation(

@@ -42,15 +42,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_serving import (  # noqa: F401  (fixtures)
+from test_vllm_serving import (
     BF16_NOISE_BOUND,
     LOGPROB_BOUND,
     MAX_TOKENS,
     TEXTS,
     TOP_K,
     _prompts,
-    overlay,
-    vllm_python,
 )
 
 pytestmark = pytest.mark.slow

@@ -30,15 +30,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_serving import (  # noqa: F401  (fixtures)
+from test_vllm_serving import (
     DRIVER,
     MOE,
     TEXTS,
     _source,
-    demo_c8,
-    demo_default,
-    overlay,
-    vllm_python,
 )
 
 pytestmark = pytest.mark.slow

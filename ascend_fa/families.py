@@ -33,7 +33,16 @@ model_type     kind    notes
 ``glm_moe_dsa``  mla   as deepseek_v32; "shared" layers reuse the top-k
 ``gemma3_text``  gqa   as qwen3; sliding / full layers (``layer_types``);
                        norms scale by ``1 + weight``; sandwich norms
+``kimi_k2``    mla     deepseek_v3 under its own model_type (Kimi-K2's
+                       config.json); built through transformers'
+                       DeepSeek-V3 classes (:data:`BUILT_AS`)
 =============  ======  ===============================================
+
+A family transformers has no class of its own for is built through the classes
+of the one :data:`BUILT_AS` names: the checkpoint's ``config.json`` (and so the
+artifact's) keeps its own ``model_type``, which the consumers' mappings key on;
+in memory the model is the other family's (its adapter, linear plan and weight
+conversions).
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
 routed experts (transformers 5's fused ``experts.gate_up_proj`` / ``down_proj``
@@ -59,6 +68,8 @@ __all__ = [
     "MOE_LAYOUTS",
     "MoeLayout",
     "moe_layout",
+    "BUILT_AS",
+    "built_as",
     "reads_fa",
     "model_types",
     "norm_offset",
@@ -207,7 +218,18 @@ FAMILIES: dict[str, AttentionKind] = {
     "deepseek_v32": MLA_DSA,
     "glm_moe_dsa": MLA_DSA,
     "gemma3_text": GEMMA3,
+    "kimi_k2": MLA,
 }
+
+#: ``config.model_type`` -> the family whose transformers classes build it, for
+#: the families transformers has no class of its own for. Kimi-K2's config.json
+#: says ``model_type: kimi_k2`` with ``architectures: [DeepseekV3ForCausalLM]``
+#: and ships a DeepSeek-V3 config class for ``--trust-remote-code``
+#: (moonshotai/Kimi-K2-Instruct ``config.json``); vLLM maps ``kimi_k2`` to its
+#: ``DeepseekV3Config`` (vllm ``vllm/transformers_utils/config.py``
+#: ``_CONFIG_REGISTRY``, 0.18 / 0.23 / 0.32), vllm-ascend keys its packed modules
+#: on ``kimi_k2`` (``vllm_ascend/quantization/modelslim_config.py``, v0.23.0).
+BUILT_AS: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 
 @dataclass(frozen=True)
@@ -250,7 +272,14 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {
     "qwen3_next": MoeLayout(shared="shared_expert", shared_gate="shared_expert_gate"),
     "deepseek_v32": MoeLayout(shared="shared_experts"),
     "glm_moe_dsa": MoeLayout(shared="shared_experts"),
+    "kimi_k2": MoeLayout(shared="shared_experts"),
 }
+
+
+def built_as(model_type: str | None) -> str | None:
+    """The model type whose transformers classes build ``model_type`` (itself
+    unless :data:`BUILT_AS` names another)."""
+    return BUILT_AS.get(model_type, model_type) if model_type is not None else None
 
 
 def moe_layout(model_type: str | None) -> MoeLayout | None:

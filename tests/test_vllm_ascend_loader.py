@@ -100,6 +100,8 @@ CASES = {
     "minimax_m2_dyn": ("minimax_m2", ("--linear", "w8a8_dynamic")),
     "qwen3_next_dyn": ("qwen3_next", ("--linear", "w8a8_dynamic")),
     "deepseek_v3_fak": ("deepseek_v3", ()),
+    # Kimi-K2's config.json: model_type kimi_k2 on DeepseekV3ForCausalLM
+    "kimi_k2_fak": ("kimi_k2", ()),
     # config.json as transformers 5 saves it (no _as_released): Gemma 3's RoPE per
     # layer type; a Qwen3 whose theta (500000) is not transformers 4's default
     "gemma3_c8_tf5": ("gemma3_tf5", ("--linear", "none")),
@@ -134,7 +136,13 @@ def _env_python(release: str) -> Path:
 
 def _sources(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
-    from builders import byte_tokenizer, save_tiny, save_tiny_moe, tiny_causal_lm
+    from builders import (
+        byte_tokenizer,
+        save_kimi_k2,
+        save_tiny,
+        save_tiny_moe,
+        tiny_causal_lm,
+    )
 
     bf16 = torch.bfloat16
     out = {f: save_tiny(root / f, f, dtype=bf16) for f in ("llama", "qwen2", "qwen3")}
@@ -183,6 +191,7 @@ def _sources(root: Path) -> dict[str, Path]:
         root / "deepseek_v3", "deepseek_v3", dtype=bf16, topk_method="noaux_tc",
         scoring_func="sigmoid", q_lora_rank=32,
     )  # fmt: skip
+    out["kimi_k2"] = save_kimi_k2(root / "kimi_k2", q_lora_rank=32)
     return out
 
 

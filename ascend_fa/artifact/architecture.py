@@ -25,8 +25,8 @@ The model is the declared family's (:data:`ascend_fa.families.FAMILIES`)
 transformers class (the class of the family that builds it:
 :data:`ascend_fa.families.BUILT_AS`), built on the meta device from
 ``config.json`` (no memory, no weights: well under a second for the supported
-families); its names go through transformers' own checkpoint mapping (fused MoE experts back to
-``experts.<e>.<proj>.weight``, :func:`ascend_fa.hf_compat.
+families); its names go through transformers' own checkpoint mapping (fused
+MoE experts back to ``experts.<e>.<proj>.weight``, :func:`ascend_fa.hf_compat.
 revert_to_checkpoint_names`), and tied copies are left out as ``save_pretrained``
 leaves them out. Tensors past the model (DeepSeek's MTP layer, the
 quantization's own ``deq_scale`` / ``fa_q.scale`` ...) are other checks'.

@@ -25,6 +25,7 @@ __all__ = [
     "tiny_llama",
     "save_tiny",
     "save_kimi_k2",
+    "add_mtp_layer",
     "scale_map",
     "SyntheticW8A8Linear",
     "quantize_linears",
@@ -234,6 +235,41 @@ def save_kimi_k2(path: Path, **extra: Any) -> Path:
     )
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "configuration_deepseek.py").write_text(KIMI_CONFIG_PY)
+    return path
+
+
+def add_mtp_layer(path: Path, seed: int = 5) -> Path:
+    """Turn the last decoder layer of the DeepSeek-V3 checkpoint at ``path`` into
+    its multi-token-prediction layer, as DeepSeek-V3's release stores it:
+    ``model.layers.<num_hidden_layers>.*`` (the decoder block's own names) plus
+    ``enorm``, ``hnorm``, ``eh_proj`` ``[H, 2H]``, ``shared_head.norm`` /
+    ``shared_head.head`` and ``embed_tokens``; config.json says one layer fewer and
+    ``num_nextn_predict_layers: 1``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    mtp = int(config["num_hidden_layers"]) - 1
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    pre = f"model.layers.{mtp}."
+    tensors[pre + "enorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "hnorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "eh_proj.weight"] = rand(h, 2 * h)
+    tensors[pre + "shared_head.norm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "shared_head.head.weight"] = rand(v, h)
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config.update(num_hidden_layers=mtp, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

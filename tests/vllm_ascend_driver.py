@@ -224,7 +224,11 @@ def load_draft(config, path: str, out: dict) -> None:
             continue
         held = block.sub(lambda b: f"model.layers.{b[1]}.mtp_block.{b[2]}.", name)
         if held in params:
-            tensors[name] = _equal(params[held], tensor)
+            param = params[held]
+            if param.dim() == 2 and param.shape[0] > tensor.shape[0]:
+                # ParallelLMHead pads the vocabulary (to a multiple of 64)
+                param = param[: tensor.shape[0]]
+            tensors[name] = _equal(param, tensor)
     out["tensors"] = tensors
     out["fa"] = sorted(n for n in params if ".fa_" in n)
     out["int8_attention"] = sorted(

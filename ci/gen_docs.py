@@ -277,6 +277,7 @@ _FAMILY_ROWS = (
     ("qwen3_next",),
     ("gemma3_text",),
     ("deepseek_v3",),
+    ("kimi_k2",),
     ("deepseek_v32", "glm_moe_dsa"),
 )
 

@@ -43,12 +43,21 @@ model_type     kind    notes
                        MoE (fused, biased experts); vLLM target only
 ``llama4_text`` gqa    chunked / full layers, NoPE layers, interleaved
                        (complex) RoPE; MoE; vLLM target only
+``kimi_k2``    mla     deepseek_v3 under its own model_type (Kimi-K2's
+                       config.json); built through transformers'
+                       DeepSeek-V3 classes (:data:`BUILT_AS`)
 =============  ======  ===============================================
 
 A multimodal wrapper (:class:`Wrapper`, :data:`WRAPPERS`) is calibrated through
 its language model (transformers' ``AutoModelForCausalLM`` builds the text model
 from the wrapper's checkpoint); the artifact keeps the checkpoint's own names
 and its vision tower, float and byte for byte.
+
+A family transformers has no class of its own for is built through the classes
+of the one :data:`BUILT_AS` names: the checkpoint's ``config.json`` (and so the
+artifact's) keeps its own ``model_type``, which the consumers' mappings key on;
+in memory the model is the other family's (its adapter, linear plan and weight
+conversions).
 
 The MoE families also have a :class:`MoeLayout` in :data:`MOE_LAYOUTS`: where the
 routed experts (transformers 5's fused ``experts.gate_up_proj`` / ``down_proj``
@@ -79,6 +88,10 @@ __all__ = [
     "WRAPPERS",
     "Wrapper",
     "wrapper",
+    "BUILT_AS",
+    "built_as",
+    "NOT_CALIBRATED",
+    "family_refusal",
     "reads_fa",
     "model_types",
     "norm_offset",
@@ -265,6 +278,62 @@ FAMILIES: dict[str, AttentionKind] = {
     "qwen3_5_moe_text": QWEN3_5,
     "gpt_oss": VLLM_ONLY,
     "llama4_text": VLLM_ONLY,
+    "kimi_k2": MLA,
+}
+
+#: ``config.model_type`` -> the family whose transformers classes build it, for
+#: the families transformers has no class of its own for. Kimi-K2's config.json
+#: says ``model_type: kimi_k2`` with ``architectures: [DeepseekV3ForCausalLM]``
+#: and ships a DeepSeek-V3 config class for ``--trust-remote-code``
+#: (moonshotai/Kimi-K2-Instruct ``config.json``); vLLM maps ``kimi_k2`` to its
+#: ``DeepseekV3Config`` (vllm ``vllm/transformers_utils/config.py``
+#: ``_CONFIG_REGISTRY``, 0.18 / 0.23 / 0.32), vllm-ascend keys its packed modules
+#: on ``kimi_k2`` (``vllm_ascend/quantization/modelslim_config.py``, v0.23.0).
+BUILT_AS: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+_NO_MINDIE = (
+    "MindIE 3.0.0 has no model for it (no atb_llm/models nor mindie_llm/runtime/"
+    "models folder: NotImplementedError 'unsupported model type')"
+)
+#: ``config.model_type`` -> why no artifact is written for it, per target
+#: (``"*"``: every other target): families transformers builds whose structure
+#: no kind here covers, refused in one line by ``calibrate`` (exit 2, before
+#: anything loads) and reported by ``inspect`` (exit 1).
+#:
+#: * LongCat-Flash (transformers ``models/longcat_flash/modeling_longcat_flash.py``
+#:   v5.25.0 ``LongcatFlashDecoderLayer``): two MLA attentions per decoder layer
+#:   (``self_attn.0`` / ``self_attn.1``, each its own latent cache, layer index
+#:   ``2 * i + j``), two dense MLPs and a shortcut MoE whose router also picks
+#:   zero-computation (identity) experts; vllm-ascend maps its packed modules
+#:   (``modelslim_config.py`` ``longcat_flash``, v0.23.0) but the DeepSeek-V3
+#:   adapter and linear plan observe one attention and one MLP per layer.
+#: * DeepSeek-V4 (transformers ``DeepseekV4Config``): compressed / sliding-window
+#:   attention (one 512-wide KV head, ``compress_rates``), hash-routed MoE layers
+#:   and hyper-connections; vllm-ascend serves it through its own model
+#:   (``vllm_ascend/models/deepseek_v4.py``, v0.23.0: ``AscendDeepseekV4SWACache``,
+#:   an indexer cache quantized on the fly) with no FAKQuant or C8 path, and reads
+#:   its W8A8 linears under DeepSeek-V4's own checkpoint names
+#:   (``modelslim_config.py`` ``QUANT_MODEL_PREFIX_MAPPINGS``: ``layers.*.attn.*``,
+#:   ``ffn.*``), which no linear plan here writes.
+NOT_CALIBRATED: dict[str, dict[str, str]] = {
+    "longcat_flash": {
+        "mindie": _NO_MINDIE,
+        "*": "each decoder layer has two MLA attentions (self_attn.0 / "
+        "self_attn.1, two latent caches) beside a shortcut MoE with "
+        "zero-computation experts, which ascend-fa's DeepSeek-V3 adapter and "
+        "linear plan (one attention, one MLP per layer) do not cover; vllm-ascend "
+        "0.23.0.post1 maps its packed modules, but no artifact of it is written "
+        "here",
+    },
+    "deepseek_v4": {
+        "mindie": _NO_MINDIE,
+        "*": "vllm-ascend 0.23.0.post1 serves it through its own model "
+        "(vllm_ascend/models/deepseek_v4.py: compressed sliding-window cache) "
+        "with no FAKQuant or C8 path, and reads its W8A8 linears under "
+        "DeepSeek-V4's own checkpoint names (modelslim_config.py "
+        "QUANT_MODEL_PREFIX_MAPPINGS), which ascend-fa's linear plans do not "
+        "write; MindIE 3.0.0 has no model for it",
+    },
 }
 
 
@@ -352,12 +421,30 @@ MOE_LAYOUTS: dict[str, MoeLayout] = {
     ),
     "deepseek_v32": MoeLayout(shared="shared_experts"),
     "glm_moe_dsa": MoeLayout(shared="shared_experts"),
+    "kimi_k2": MoeLayout(shared="shared_experts"),
 }
+
+
+def built_as(model_type: str | None) -> str | None:
+    """The model type whose transformers classes build ``model_type`` (itself
+    unless :data:`BUILT_AS` names another)."""
+    return BUILT_AS.get(model_type, model_type) if model_type is not None else None
 
 
 def moe_layout(model_type: str | None) -> MoeLayout | None:
     """The MoE layout of ``model_type`` (None for a dense or unknown family)."""
     return MOE_LAYOUTS.get(model_type) if model_type is not None else None
+
+
+def family_refusal(model_type: str | None, target: str | None) -> str | None:
+    """One line saying why ``target`` gets no artifact of ``model_type``
+    (:data:`NOT_CALIBRATED`), or None."""
+    reasons = NOT_CALIBRATED.get(model_type) if model_type is not None else None
+    if reasons is None:
+        return None
+    why = reasons.get(target or "", reasons["*"])
+    where = f"--target {target}" if target else "no target"
+    return f"{model_type} ({where}): no artifact is written for it: {why}"
 
 
 def attention_kind(model_type: str | None) -> AttentionKind | None:

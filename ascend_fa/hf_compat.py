@@ -66,6 +66,7 @@ __all__ = [
     "output_cache",
     "tied_weight_keys",
     "cache_kwargs",
+    "family_config",
 ]
 
 #: The range pyproject.toml's ``hf`` extra declares (keep the two equal).
@@ -275,3 +276,24 @@ def rotary_dim(config: Any) -> int | None:
     if not isinstance(factor, int | float) or not head_dim or not 0 < factor < 1:
         return None
     return int(int(head_dim) * float(factor))
+
+
+def family_config(config: dict[str, Any]) -> Any:
+    """The transformers config of ``config`` (a ``config.json`` as a dict), built
+    by the class of the family that builds its ``model_type``
+    (:func:`ascend_fa.families.built_as`): Kimi-K2's ``kimi_k2`` by
+    ``DeepseekV3Config``. Such a config keeps its ``model_type`` in the file only:
+    in memory it is the building family's, whose weight conversions (fused
+    experts) transformers looks up by it; its ``auto_map`` (the checkpoint's own
+    remote code, which is never run) is left out, so that transformers' own
+    classes build it."""
+    from transformers import AutoConfig
+
+    from ascend_fa.families import built_as
+
+    cfg = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    if built_as(config.get("model_type")) == config.get("model_type"):
+        cfg["auto_map"] = config.get("auto_map")
+        if cfg["auto_map"] is None:
+            del cfg["auto_map"]
+    return AutoConfig.for_model(built_as(config.get("model_type")), **cfg)

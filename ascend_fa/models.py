@@ -20,6 +20,8 @@ from safetensors import SafetensorError
 
 from ascend_fa.config_checks import check_model_config
 from ascend_fa.errors import FileFormatError, InputError, NotFoundError
+from ascend_fa.families import built_as
+from ascend_fa.hf_compat import family_config
 from ascend_fa.model_cache import (
     cache_enabled,
     ensure_gguf_cache,
@@ -350,6 +352,11 @@ def load_model(
         kwargs = {"use_safetensors": True}
     held = _HeldReport()
     try:
+        if not gguf:
+            config = read_model_config(source_dir)
+            if built_as(config.get("model_type")) != config.get("model_type"):
+                # a family transformers builds through another's classes (Kimi-K2)
+                kwargs["config"] = family_config(config)
         with quiet_unless_terminal() if "gguf_file" in kwargs else nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
             with held:

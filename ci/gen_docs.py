@@ -280,6 +280,7 @@ _FAMILY_ROWS = (
     ("gpt_oss",),
     ("llama4_text",),
     ("deepseek_v3",),
+    ("kimi_k2",),
     ("deepseek_v32", "glm_moe_dsa"),
 )
 

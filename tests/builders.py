@@ -26,6 +26,8 @@ __all__ = [
     "tiny_deepseek",
     "tiny_llama",
     "save_tiny",
+    "save_kimi_k2",
+    "add_mtp_layer",
     "scale_map",
     "SyntheticW8A8Linear",
     "quantize_linears",
@@ -251,6 +253,83 @@ def save_tiny(
         model = model.to(dtype)
     model.save_pretrained(path)
     byte_tokenizer(padding_side).save_pretrained(path)
+    return path
+
+
+#: Kimi-K2 ships its DeepSeek-V3 config class for ``--trust-remote-code``
+#: (config.json ``auto_map`` ``AutoConfig``); this one keeps every key of
+#: config.json as an attribute under Kimi-K2's model_type.
+KIMI_CONFIG_PY = """from transformers.configuration_utils import PretrainedConfig
+
+
+class DeepseekV3Config(PretrainedConfig):
+    model_type = "kimi_k2"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+"""
+
+
+def save_kimi_k2(path: Path, **extra: Any) -> Path:
+    """A tiny Kimi-K2 checkpoint: the DeepSeek-V3 of :func:`save_tiny` (bf16, the
+    router keys of a released config: ``noaux_tc``, sigmoid scoring; no MTP) whose
+    config.json is Kimi-K2's shape: ``model_type: kimi_k2``, ``architectures:
+    [DeepseekV3ForCausalLM]``, RoPE as the top-level ``rope_theta`` /
+    ``rope_scaling`` (no transformers-5 ``rope_parameters``), and an ``auto_map``
+    to its own config class (``configuration_deepseek.py``)."""
+    import json
+
+    # Kimi-K2 has no MTP layer (num_nextn_predict_layers 0, as released)
+    kw: dict[str, Any] = dict(
+        topk_method="noaux_tc", scoring_func="sigmoid", num_nextn_predict_layers=0
+    )
+    save_tiny(path, "deepseek_v3", dtype=torch.bfloat16, **{**kw, **extra})
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters", None) or {}
+    config.update(
+        model_type="kimi_k2",
+        architectures=["DeepseekV3ForCausalLM"],
+        rope_theta=rope.get("rope_theta", 10000.0),
+        rope_scaling=None,
+        auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"},
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "configuration_deepseek.py").write_text(KIMI_CONFIG_PY)
+    return path
+
+
+def add_mtp_layer(path: Path, seed: int = 5) -> Path:
+    """Turn the last decoder layer of the DeepSeek-V3 checkpoint at ``path`` into
+    its multi-token-prediction layer, as DeepSeek-V3's release stores it:
+    ``model.layers.<num_hidden_layers>.*`` (the decoder block's own names) plus
+    ``enorm``, ``hnorm``, ``eh_proj`` ``[H, 2H]``, ``shared_head.norm`` /
+    ``shared_head.head`` and ``embed_tokens``; config.json says one layer fewer and
+    ``num_nextn_predict_layers: 1``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    mtp = int(config["num_hidden_layers"]) - 1
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    pre = f"model.layers.{mtp}."
+    tensors[pre + "enorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "hnorm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "eh_proj.weight"] = rand(h, 2 * h)
+    tensors[pre + "shared_head.norm.weight"] = torch.ones(h, dtype=dtype)
+    tensors[pre + "shared_head.head.weight"] = rand(v, h)
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    config.update(num_hidden_layers=mtp, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

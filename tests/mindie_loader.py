@@ -22,7 +22,8 @@ from typing import Any
 
 from safetensors import safe_open
 
-#: MindIE: models/__init__.py L71-73 (deepseek_v3 -> deepseekv2), L94-97 (no
+#: MindIE: models/__init__.py L71-73 (deepseek_v3 -> deepseekv2), L113-114 and
+#: kimi_k2/router_kimi_k2.py L21-27 (kimi_k2 -> Kimik2Router, deepseekv2), L94-97 (no
 #: folder: NotImplementedError); qwen3/router_qwen3.py L24 (qwen3 -> qwen2 model);
 #: mistral/router_mistral.py L19 (-> llama); qwen3_moe/router_qwen3_moe.py L24-26
 #: (-> qwen2_moe model). The atb_llm/models folders at 8b4871ad have no
@@ -34,6 +35,7 @@ ROUTES = {
     "qwen2": "qwen2",
     "qwen3": "qwen2",
     "deepseek_v3": "deepseekv2",
+    "kimi_k2": "deepseekv2",
     "qwen2_moe": "qwen2_moe",
     "qwen3_moe": "qwen2_moe",
     "glm4_moe": "glm4_moe",

@@ -76,7 +76,7 @@ RUN += ["--heldout", "1", "--no-report", "-q"]
 #: config.json has none; Qwen3's reasoning token ids are 151667 / 151668,
 #: ``models/qwen3/config_qwen3.py``), so the vocabulary is Qwen3's own for Qwen3.
 VOCAB = {"qwen3": 151936, "qwen3_moe": 151936}
-DENSE = ("llama", "qwen2", "qwen3", "deepseek_v3")
+DENSE = ("llama", "qwen2", "qwen3", "deepseek_v3", "kimi_k2")
 MOE = ("qwen2_moe", "qwen3_moe", "glm4_moe", "mixtral")
 NO_MODEL = ("minimax_m2", "qwen3_next", "gemma3_text", "glm_moe_dsa")
 #: case -> MindIE's verdict (what this commit does; the run must agree)
@@ -202,7 +202,7 @@ def _no_bias(ts: dict):
 def cases(tmp_path_factory) -> dict[str, Path]:
     """case -> artifact directory (see the module doc)."""
     _source_tree()
-    from builders import save_tiny, save_tiny_moe
+    from builders import save_kimi_k2, save_tiny, save_tiny_moe
 
     root = tmp_path_factory.mktemp("mindie_own")
     out: dict[str, Path] = {}
@@ -211,6 +211,8 @@ def cases(tmp_path_factory) -> dict[str, Path]:
         vocab = VOCAB.get(fam, 1024)
         if fam in MOE:
             save_tiny_moe(src, fam, vocab_size=vocab)
+        elif fam == "kimi_k2":  # Kimi-K2's config.json over DeepSeek-V3
+            save_kimi_k2(src, vocab_size=vocab)
         else:
             save_tiny(src, fam, vocab_size=vocab)
         if fam == "deepseek_v3":
@@ -314,10 +316,10 @@ def test_mindie_and_ours_agree(cases, mindie, case):
 def test_every_fa_tensor_is_read_where_mindie_builds_fa3(cases, mindie):
     from builders import artifact_tensors
 
-    for fam in ("llama", "qwen2", "qwen3", "deepseek_v3"):
+    for fam in DENSE:
         fa = [n for n in artifact_tensors(cases[fam]) if ".fa_" in n]
         read = set(mindie[fam]["fa_read"])
-        if fam == "deepseek_v3":  # FA3.load_mla: fa_q.scale and fa_k.scale
+        if fam in ("deepseek_v3", "kimi_k2"):  # FA3.load_mla: fa_q, fa_k scales
             fa = [n for n in fa if n.endswith(("fa_q.scale", "fa_k.scale"))]
         assert fa and set(fa) <= read and not mindie[fam]["fa_unread"], fam
         assert mindie[fam]["fa_quant_type"] in ("FAQuant", "FAKQuant"), fam

@@ -104,6 +104,8 @@ CASES = {
     "qwen3_5_moe_c8": ("qwen3_5_moe", ("--linear", "none")),
     "qwen3_5_moe_dyn": ("qwen3_5_moe", ("--linear", "w8a8_dynamic")),
     "qwen3_5_dyn": ("qwen3_5", ("--linear", "w8a8_dynamic")),
+    # Kimi-K2's config.json: model_type kimi_k2 on DeepseekV3ForCausalLM
+    "kimi_k2_fak": ("kimi_k2", ()),
     # config.json as transformers 5 saves it (no _as_released): Gemma 3's RoPE per
     # layer type; a Qwen3 whose theta (500000) is not transformers 4's default
     "gemma3_c8_tf5": ("gemma3_tf5", ("--linear", "none")),
@@ -111,6 +113,9 @@ CASES = {
     # C8 merged into msModelSlim's own W8A8_DYNAMIC export (its saver, run here)
     "qwen3_merge_dyn": ("qwen3_untied", ("--merge-into", "{export}")),
 }
+#: Cases also loaded with DeepSeek MTP speculative decoding on (the draft model
+#: as vLLM's proposer loads it): DeepSeek-V3 with its MTP layer.
+SPECULATIVE = ("deepseek_v3_fak",)
 #: Where our verdict and the real loader's are known to differ, with what is
 #: known (docs/reference/compatibility.md, "Verdicts of the real loader");
 #: strict: a fix shows.
@@ -139,7 +144,9 @@ def _env_python(release: str) -> Path:
 def _sources(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "tests"))
     from builders import (
+        add_mtp_layer,
         byte_tokenizer,
+        save_kimi_k2,
         save_tiny,
         save_tiny_moe,
         save_tiny_wrapper,
@@ -191,10 +198,12 @@ def _sources(root: Path) -> dict[str, Path]:
     for family, keys in RELEASED_KEYS.items():
         _as_released(out[family] / "config.json", keys)
     # the router keys a real DeepSeek-V3 config carries
-    out["deepseek_v3"] = save_tiny(
+    # and its MTP layer (num_nextn_predict_layers 1), as DeepSeek-V3 is released
+    out["deepseek_v3"] = add_mtp_layer(save_tiny(
         root / "deepseek_v3", "deepseek_v3", dtype=bf16, topk_method="noaux_tc",
-        scoring_func="sigmoid", q_lora_rank=32,
-    )  # fmt: skip
+        scoring_func="sigmoid", q_lora_rank=32, num_hidden_layers=3,
+    ))  # fmt: skip
+    out["kimi_k2"] = save_kimi_k2(root / "kimi_k2", q_lora_rank=32)
     return out
 
 
@@ -332,7 +341,8 @@ def loaded(request, artifacts, tmp_path_factory) -> tuple[str, dict]:
     python = _env_python(release)
     req = tmp_path_factory.mktemp("req") / "request.json"
     paths = [str(p) for p in artifacts["paths"].values()]
-    req.write_text(json.dumps({"artifacts": paths}))
+    spec = [str(artifacts["paths"][n]) for n in SPECULATIVE]
+    req.write_text(json.dumps({"artifacts": paths, "speculative": spec}))
     proc = subprocess.run(
         [str(python), str(DRIVER), str(req)], capture_output=True, text=True,
         timeout=1800,
@@ -430,3 +440,34 @@ def test_our_verdict_is_the_real_loaders(name, loaded, artifacts, tmp_path, caps
         return
     tail = ".".join(key.group(1).split(".")[-2:])
     assert tail in line, (tail, line)
+
+
+@pytest.mark.parametrize("name", SPECULATIVE)
+def test_the_mtp_layer_loads_float_with_speculative_decoding(name, loaded, artifacts):
+    """The artifact carries DeepSeek's MTP layer (``model.layers.<N>.*``, past the
+    decoder stack) float: every tensor typed FLOAT, no ``fa_*`` there (the
+    releases before 0.26 create no FA parameter under ``mtp_block``: a
+    ``fa_k.offset`` there is a KeyError). Each release whose loader gets past the
+    target loads the draft model too (speculative decoding on; the target
+    without it is the case above): every MTP tensor held as the file has it, no
+    FA parameter, no int8 attention weight."""
+    from ascend_fa.artifact import DESCRIPTION_FILE
+
+    release, out = loaded
+    path = artifacts["paths"][name]
+    config = json.loads((path / "config.json").read_text())
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    desc = json.loads((path / DESCRIPTION_FILE).read_text())
+    carried = {k: v for k, v in desc.items() if k.startswith(mtp)}
+    assert carried and set(carried.values()) == {"FLOAT"}, carried
+    assert not [k for k in carried if ".fa_" in k]
+    (result,) = [r for r in out["results"] if Path(r["artifact"]).name == name]
+    if not result["loaded"]:  # 0.13.0 stops at its device self-check
+        assert _needs_npu(result, release), result
+        return
+    draft = result["draft"]
+    assert draft["loaded"] and draft["class"].endswith("DeepSeekMTP"), draft
+    assert not draft["fa"] and not draft["int8_attention"], draft
+    held = draft["tensors"]
+    assert {mtp + "eh_proj.weight", mtp + "self_attn.kv_b_proj.weight"} <= set(held)
+    assert all(v.startswith("equal") for v in held.values()), held

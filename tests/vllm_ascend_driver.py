@@ -7,7 +7,9 @@ safetensors and the torch_npu stand-in (``tests/vllm_ascend_stub``).
 
     python tests/vllm_ascend_driver.py REQUEST.json
 
-REQUEST: ``{"artifacts": [DIR, ...]}``. Per artifact, in this one process: vLLM's
+REQUEST: ``{"artifacts": [DIR, ...], "speculative": [DIR, ...]}`` (the second
+list optional: those also load with DeepSeek MTP speculative decoding on,
+:func:`load_draft`). Per artifact, in this one process: vLLM's
 ``EngineArgs(model=DIR, quantization="ascend").create_engine_config()`` (which
 builds vllm-ascend's ``AscendModelSlimConfig`` from
 ``quant_model_description.json``), then vLLM's default loader's own steps on the
@@ -21,7 +23,8 @@ consumer's parameters (:func:`landed`).
 Output (the last stdout line): ``{"vllm": version, "vllm_ascend": version,
 "results": [{"artifact": DIR, "loaded": bool, "error": "Type: message" | null,
 "where": "file:line" | null, "tensors": {name: "equal" | "differs: ..." |
-"missing: ..."} (also when ``process_weights_after_loading`` raised), "rope":
+"missing: ..."} (also when ``process_weights_after_loading`` raised), "draft":
+{"loaded", "class", "tensors", "fa", "int8_attention"} (speculative ones), "rope":
 {attention module: the RoPE base its rotary embedding holds}, "seconds": s},
 ...], "touched": [...]}``.
 """
@@ -139,11 +142,14 @@ def _worker_prelude(config) -> None:
     init_ascend_config(config)
 
 
-def load_one(path: str, out: dict) -> None:
+def load_one(path: str, out: dict, speculative: bool = False) -> None:
     """vLLM's own ``load_model`` (model class built under the quant config,
     ``load_weights``, ``process_weights_after_loading``) on the CPU; the file's
     quantized tensors are looked up in the model between the last two (into
-    ``out["tensors"]``, kept when the last step raises)."""
+    ``out["tensors"]``, kept when the last step raises). ``speculative``: the
+    engine config asks for DeepSeek MTP speculative decoding (one token), and
+    after the target the draft model loads as the proposer loads it
+    (:func:`load_draft`, into ``out["draft"]``)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
@@ -160,6 +166,11 @@ def load_one(path: str, out: dict) -> None:
         # does, is served with --trust-remote-code on releases whose transformers
         # has no class for it
         trust_remote_code=True,
+        speculative_config=(
+            {"method": "deepseek_mtp", "num_speculative_tokens": 1}
+            if speculative
+            else None
+        ),
     )
     config = args.create_engine_config()
     config.load_config.device = "cpu"
@@ -177,6 +188,52 @@ def load_one(path: str, out: dict) -> None:
 
         loader.load_weights = load_then_look
         loader.load_model(vllm_config=config, model_config=config.model_config)
+        if speculative:
+            out["draft"] = {"loaded": False}
+            load_draft(config, path, out["draft"])
+            out["draft"]["loaded"] = True
+
+
+def load_draft(config, path: str, out: dict) -> None:
+    """The MTP draft model of ``config``'s speculative decoding, loaded as
+    vLLM's proposers load it (``get_model`` with the speculative config's draft
+    model and load configs; vllm ``v1/spec_decode/llm_base_proposer.py``
+    ``_get_model``): its class, the file tensors of the MTP layer(s) the draft
+    holds (``"equal"`` or what differs, under the draft's own names:
+    ``mtp_block`` for the decoder block), and the draft's ``fa_*`` parameters
+    and int8 attention weights (a quantized MTP attention)."""
+    from vllm.model_executor.model_loader import get_model
+
+    spec = config.speculative_config
+    draft = get_model(
+        vllm_config=config,
+        model_config=spec.draft_model_config,
+        load_config=spec.draft_load_config,
+    )
+    out["class"] = type(draft).__name__
+    params = dict(draft.named_parameters())
+    first = int(config.model_config.hf_config.num_hidden_layers)
+    file = _file_tensors(path)
+    # the MTP layer's decoder block is its ``mtp_block`` (deepseek_mtp.py)
+    parts = "self_attn|mlp|input_layernorm|post_attention_layernorm"
+    block = re.compile(rf"^model\.layers\.(\d+)\.({parts})\.")
+    tensors = {}
+    for name, tensor in sorted(file.items()):
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m is None or int(m.group(1)) < first:
+            continue
+        held = block.sub(lambda b: f"model.layers.{b[1]}.mtp_block.{b[2]}.", name)
+        if held in params:
+            param = params[held]
+            if param.dim() == 2 and param.shape[0] > tensor.shape[0]:
+                # ParallelLMHead pads the vocabulary (to a multiple of 64)
+                param = param[: tensor.shape[0]]
+            tensors[name] = _equal(param, tensor)
+    out["tensors"] = tensors
+    out["fa"] = sorted(n for n in params if ".fa_" in n)
+    out["int8_attention"] = sorted(
+        n for n, p in params.items() if ".self_attn." in n and p.dtype == torch.int8
+    )
 
 
 def rope_bases(model) -> dict:
@@ -344,7 +401,7 @@ def main() -> int:
         t0 = time.perf_counter()
         res = {"artifact": path, "loaded": False, "error": None, "where": None}
         try:
-            load_one(path, res)
+            load_one(path, res, speculative=path in req.get("speculative", ()))
             res["loaded"] = True
         except Exception as exc:  # noqa: BLE001 - the consumer's verdict
             res["error"] = f"{type(exc).__name__}: {_message(exc)}"[:500]

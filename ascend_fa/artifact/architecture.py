@@ -22,10 +22,11 @@ its shape              the shape the config implies; a quantized linear's
 =====================  ======================================================
 
 The model is the declared family's (:data:`ascend_fa.families.FAMILIES`)
-transformers class, built on the meta device from ``config.json`` (no memory,
-no weights: well under a second for the supported families); its names go
-through transformers' own checkpoint mapping (fused MoE experts back to
-``experts.<e>.<proj>.weight``, :func:`ascend_fa.hf_compat.
+transformers class (the class of the family that builds it:
+:data:`ascend_fa.families.BUILT_AS`), built on the meta device from
+``config.json`` (no memory, no weights: well under a second for the supported
+families); its names go through transformers' own checkpoint mapping (fused
+MoE experts back to ``experts.<e>.<proj>.weight``, :func:`ascend_fa.hf_compat.
 revert_to_checkpoint_names`), and tied copies are left out as ``save_pretrained``
 leaves them out. Tensors past the model (DeepSeek's MTP layer, the
 quantization's own ``deq_scale`` / ``fa_q.scale`` ...) are other checks'.
@@ -39,7 +40,7 @@ from functools import lru_cache
 from typing import Any
 
 from ascend_fa.errors import cut_long_words
-from ascend_fa.families import attention_kind
+from ascend_fa.families import attention_kind, built_as
 
 __all__ = ["ArchitectureError", "expected_tensors", "completeness_findings"]
 
@@ -58,7 +59,7 @@ def expected_tensors(config: Mapping[str, Any] | None) -> dict[str, list[int]] |
         return None
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if config["model_type"] not in CONFIG_MAPPING:
+    if built_as(config["model_type"]) not in CONFIG_MAPPING:
         return None  # an older transformers without the family: nothing to build
     key = json.dumps(config, sort_keys=True, default=str)
     return dict(_expected(key))
@@ -67,15 +68,19 @@ def expected_tensors(config: Mapping[str, Any] | None) -> dict[str, list[int]] |
 @lru_cache(maxsize=8)
 def _expected(key: str) -> tuple[tuple[str, list[int]], ...]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from ascend_fa.hf_compat import revert_to_checkpoint_names, tied_weight_keys
+    from ascend_fa.hf_compat import (
+        family_config,
+        revert_to_checkpoint_names,
+        tied_weight_keys,
+    )
 
     cfg = json.loads(key)
     cfg.pop("quantization_config", None)  # the float model's tensors
-    model_type = cfg.pop("model_type")
+    model_type = cfg["model_type"]
     try:
-        config = AutoConfig.for_model(model_type, **cfg)
+        config = family_config(cfg)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001 - any failure is the config's

@@ -130,6 +130,29 @@ def attention_modules(names: list[str]) -> list[str]:
     return sorted({n[: -len(suffix)] for n in names if n.endswith(suffix)})
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _decoder_stack(attns: list[str], config: Mapping[str, Any] | None) -> list[str]:
+    """``attns`` less DeepSeek's MTP layers (``model.layers.<i>`` with ``i >=
+    num_hidden_layers``, ``num_nextn_predict_layers`` of them), which the
+    artifact carries float: vllm-ascend builds them only as the speculative
+    draft (``mtp_block``), whose attention reads no FA scale before its 0.26
+    branch (an ``mtp_block.self_attn.fa_k.offset`` there is a KeyError) and loads
+    an all-FLOAT MTP layer unquantized (the real loader, 0.18.0 / 0.23.0.post1,
+    speculative decoding on and off)."""
+    layers = (config or {}).get("num_hidden_layers")
+    if not isinstance(layers, int) or not (config or {}).get(
+        "num_nextn_predict_layers"
+    ):
+        return attns
+    return [
+        a
+        for a in attns
+        if (m := _LAYER_INDEX.match(a + ".")) is None or int(m.group(1)) < layers
+    ]
+
+
 def _layers_with(names: list[str], pattern: re.Pattern[str]) -> set[str]:
     return {m["attn"] for n in names if (m := pattern.match(n))}
 
@@ -292,7 +315,7 @@ def _vllm_ascend(v: ArtifactView, attns: list[str], out: list[str]) -> None:
                 f"model_quant_type: {mqt!r}; FAKQuant reads the quantized MLA "
                 f"linears' weight_scale ({_ASCEND} attention/mla_v1.py)"
             )
-        for attn in attns:
+        for attn in _decoder_stack(attns, v.config):
             if attn not in v.fa_layers:
                 out.append(f"{attn}: a layer with no FA scale ({_ASCEND} FAKQuant)")
             for lin in _linears(v, attn):

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ascend_fa.errors import InputError, cut_long_words
-from ascend_fa.families import reads_fa
+from ascend_fa.families import family_refusal, reads_fa
 from ascend_fa.safe_files import DuplicateKeyError, unique_keys
 
 from .architecture import completeness_findings, expected_tensors
@@ -515,7 +515,9 @@ def _model_findings(
     (:mod:`.linear_judge`), the provenance rule (:mod:`.provenance`) and a
     ``quantization_config`` beside a description (for no recorded target; each
     target's rules say it for theirs)."""
-    out = completeness_findings(_header_shapes(where), config) if where else []
+    refused = family_refusal((config or {}).get("model_type"), target)
+    out = [f"config.json: {refused}"] if refused else []
+    out += completeness_findings(_header_shapes(where), config) if where else []
     # with the architecture's shapes known, the linear judge's config-implied
     # attention shapes would repeat its findings
     known = bool(where and config and expected_known(config))

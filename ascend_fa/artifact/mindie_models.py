@@ -45,6 +45,7 @@ qwen2          qwen2        FAQ    desc.      -         -
 qwen3          qwen2        FAQ    desc.      -         -
 deepseek_v3    deepseekv2   FAKQ   desc.      moe_q.    model   FA3 doc: fp16,
                                                                 rope_scaling
+kimi_k2        deepseekv2   FAKQ   desc.      moe_q.    model   as deepseek_v3
 qwen2_moe      qwen2_moe    -      config     quantize  model   attn w8a8
 qwen3_moe      qwen2_moe    -      config     quantize  -       attn w8a8
 glm4_moe       glm4_moe     -      desc.      moe_q.    model   rope_scaling,
@@ -292,6 +293,35 @@ MINDIE_MODELS: dict[str, MindieModel] = {
                     "docs/zh/user_guide/feature/fa3_quantization.md",
                     "FA3: DeepSeek R1/V3 only, float16 only",
                 ),
+            ),
+        ),
+        MindieModel(
+            "kimi_k2",
+            backend="atb",
+            model="deepseekv2",
+            fa3="FAKQuant",
+            moe_quantize=True,
+            shared="model",
+            fa3_dtypes=("float16",),
+            config_keys=("rope_scaling",),
+            citations=(
+                _c("models/__init__.py", "L113-114 kimi_k2 -> Kimik2Router"),
+                _c(
+                    "models/kimi_k2/router_kimi_k2.py",
+                    "L21-27 Kimik2Router(Deepseekv2Router), model_type deepseekv2; "
+                    "L74-79 get_config: KimiK2Config(DeepseekV2Config), "
+                    "quantization_config.fa_quant_type -> NZ KV cache",
+                ),
+                _c(
+                    "models/deepseekv2/modeling_deepseekv2.py",
+                    "L141-144 FA3.load_mla reads fa_q.scale, fa_k.scale",
+                ),
+                _c(
+                    "models/deepseek/modeling_deepseek.py",
+                    "L488-492 quantize = moe_quantize for the routed experts; "
+                    "L601-603 restored; L631 shared_experts built after",
+                ),
+                _W8A8_LOAD,
             ),
         ),
         MindieModel(

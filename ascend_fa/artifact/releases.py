@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_fa.errors import InputError, UnsupportedError
-from ascend_fa.families import reads_fa
+from ascend_fa.families import is_mla, reads_fa
 
 from .mindie_models import MINDIE_MOE_NO_FA3, MINDIE_NO_MODEL
 from .release_dsa import DSA_RULES
@@ -162,6 +162,7 @@ _ARCHITECTURES = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -661,7 +662,7 @@ def check_release(
         config = DEFAULT_MODEL_CONFIG
     if not config or config.get("model_type") not in _ARCHITECTURES:
         return target  # not a model type ascend-fa calibrates: the loader says
-    mla = config.get("model_type") == "deepseek_v3" or bool(config.get("kv_lora_rank"))
+    mla = is_mla(config.get("model_type")) or bool(config.get("kv_lora_rank"))
     scheme = str(
         release_scheme(target, mla, reads_fa(config.get("model_type"), target))
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ascend_fa import parallel
+from ascend_fa.families import built_as
 
 from .arguments import picture_files, with_carried, with_wrapper, wrapper_names
 from .plan import CalibrationPlan
@@ -116,10 +117,21 @@ def write_artifact(
             force=plan.force,
             consumer=plan.target,
             kv_scales=_renamed(attention.kv_scales, wrapper_names(source.net)),
-            model_config=source.net.config.to_dict(),
+            model_config=_model_config(plan, source),
             metadata=_provenance(plan, source),
         )
     )
+
+
+def _model_config(plan: CalibrationPlan, source: Source) -> dict[str, Any]:
+    """The model's config with the ``model_type`` its checkpoint states: a family
+    transformers builds through another's classes (Kimi-K2's ``kimi_k2``,
+    :data:`ascend_fa.families.BUILT_AS`) is that family in memory only."""
+    config = source.net.config.to_dict()
+    stated = (plan.source_config or {}).get("model_type")
+    if stated is not None and built_as(stated) == config.get("model_type"):
+        config["model_type"] = stated
+    return config
 
 
 def _provenance(plan: CalibrationPlan, source: Source) -> dict[str, Any]:
@@ -130,7 +142,7 @@ def _provenance(plan: CalibrationPlan, source: Source) -> dict[str, Any]:
 
     release = resolve_release(plan.target, plan.consumer_version)
     loaded = source.loaded
-    config = source.net.config.to_dict()
+    config = _model_config(plan, source)
     if not loaded.gguf_file and wrapper(_source_type(loaded)) is not None:
         # a wrapper's language model: the source is the wrapper config.json states
         from ascend_fa.artifact.model_files import read_source_config

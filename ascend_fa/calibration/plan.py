@@ -25,7 +25,7 @@ import torch
 
 from ascend_fa import parallel
 from ascend_fa.errors import InputError, UnsupportedError
-from ascend_fa.families import is_mla
+from ascend_fa.families import family_refusal, is_mla
 
 from .arguments import (
     LINEAR_TYPES,
@@ -323,6 +323,15 @@ def check_consumer_release(plan: CalibrationPlan) -> None:
     )
 
 
+def check_family(plan: CalibrationPlan) -> None:
+    """A family transformers builds but ascend-fa writes no artifact of
+    (:data:`ascend_fa.families.NOT_CALIBRATED`): one line, before it loads."""
+    model_type = (plan.source_config or {}).get("model_type")
+    line = family_refusal(model_type, plan.target)
+    if line:
+        raise UnsupportedError(line)
+
+
 def check_mindie_family(plan: CalibrationPlan) -> None:
     """``--target mindie``: MindIE 3.0.0 has a model for this family and loads
     these linears there (:func:`~ascend_fa.artifact.mindie_refusal`). A family
@@ -500,6 +509,7 @@ def check_headroom(plan: CalibrationPlan) -> None:
 #: parsed and before anything is read, loaded or written.
 PREFLIGHT_CHECKS: list[Callable[[CalibrationPlan], None]] = [
     check_output_locations,
+    check_family,
     check_mindie_family,
     check_consumer_release,
     check_transforms_merge,

@@ -45,7 +45,9 @@ import torch
 from torch import nn
 
 from ascend_fa.errors import FileFormatError, InputError, UnsupportedError
-from ascend_fa.hf_compat import tied_weight_keys
+from ascend_fa.families import built_as
+from ascend_fa.hf_compat import family_config, tied_weight_keys
+from ascend_fa.safe_files import read_json_object
 
 __all__ = ["Source", "StreamedModel", "return_freed_memory"]
 
@@ -128,7 +130,11 @@ class StreamedModel:
         self.reader = CheckpointReader(self.source_dir)
         # The work directory outlives a failed run (a rerun resumes from it, or
         # drops what it cannot use: :meth:`drop_spills`); :meth:`close` removes it.
-        config = AutoConfig.from_pretrained(self.source_dir)
+        stated = read_json_object(self.source_dir / "config.json", what="model config")
+        if built_as(stated.get("model_type")) != stated.get("model_type"):
+            config = family_config(stated)  # Kimi-K2: DeepSeek-V3's classes
+        else:
+            config = AutoConfig.from_pretrained(self.source_dir)
         if getattr(config, "quantization_config", None) is not None:
             # FP8 block weights are dequantized as they load: the model is float.
             del config.quantization_config

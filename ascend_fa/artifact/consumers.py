@@ -65,7 +65,8 @@ from .format import (
     is_meta_key,
     mixed_moe_linears,
 )
-from .mindie_models import mindie_findings, mindie_model
+from .mindie_findings import mindie_findings
+from .mindie_models import mindie_model
 from .model_files import rope_findings
 
 __all__ = [

@@ -279,6 +279,7 @@ _FAMILY_ROWS = (
     ("qwen3_5", "qwen3_5_moe"),
     ("gpt_oss",),
     ("llama4_text",),
+    ("gemma4_text",),
     ("deepseek_v3",),
     ("kimi_k2",),
     ("deepseek_v32", "glm_moe_dsa"),
@@ -313,7 +314,7 @@ def _vllm_ascend_cell(model_type: str, release: Any) -> str:
     rule = releases.rule_for(release, scheme, arch)
     if rule is not None and rule.scheme == "*" and not rule.loads:
         # a rule about the model itself, whatever the artifact quantizes
-        if rule.id == "quant.no-mapping":
+        if rule.id in ("quant.no-mapping", "quant.gemma4-no-plan"):
             return "no quantization"
         return "silently wrong" if rule.silent else "load error"
     if scheme == "linears":

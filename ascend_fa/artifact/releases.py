@@ -86,6 +86,7 @@ from ascend_fa.families import is_mla, reads_fa
 
 from .mindie_models import MINDIE_MOE_NO_FA3, MINDIE_NO_MODEL
 from .release_dsa import DSA_RULES
+from .release_gemma4 import GEMMA4_RULES
 from .release_loader import LOADER_RULES, config_refusal
 from .release_types import MAIN as _MAIN
 from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
@@ -163,6 +164,7 @@ _ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -208,6 +210,7 @@ RULES: tuple[Rule, ...] = (
         ),
         verb="cannot quantize",
     ),
+    *GEMMA4_RULES,
     *DSA_RULES,
     *LOADER_RULES,
     Rule(

@@ -49,6 +49,8 @@ model_type     kind    notes
 ``gemma4_text`` gqa    sliding / full layers with their own head_dim and
                        KV heads; k_eq_v full layers (no ``v_proj``);
                        unit softmax scale; vLLM target only
+``ernie4_5_moe`` gqa   interleaved RoPE; MoE (routed + shared experts,
+                       ``moe_statics``); vLLM target only
 =============  ======  ===============================================
 
 A multimodal wrapper (:class:`Wrapper`, :data:`WRAPPERS`) is calibrated through
@@ -89,6 +91,7 @@ __all__ = [
     "QWEN3_5",
     "VLLM_ONLY",
     "GEMMA4",
+    "ERNIE4_5_MOE",
     "WRAPPERS",
     "Wrapper",
     "wrapper",
@@ -276,6 +279,18 @@ GEMMA4 = replace(
     rope="rotate-half, per layer type its own rope_parameters (sliding / full)",
 )
 
+#: ERNIE-4.5-MoE: GQA attention with interleaved RoPE over the whole head
+#: (transformers ``models/ernie4_5_moe/modeling_ernie4_5_moe.py``
+#: ``apply_rotary_pos_emb``, v5.25.0), routed experts (fused in memory) beside
+#: shared experts and a router with ``moe_statics``. Written for vLLM only (FP8
+#: KV-cache scales, loaded by vLLM 0.32's ``Ernie4_5_MoeForCausalLM``):
+#: vllm-ascend has no ernie mapping (rule ``quant.ernie-no-mapping``); MindIE's
+#: atb ``ernie_moe`` (a linears-only model reading ``attn_quantize``) needs the
+#: quantized linears ascend-fa does not yet write in its layout (refused).
+ERNIE4_5_MOE = replace(
+    VLLM_ONLY, rope="interleaved pairs (2i, 2i + 1) over the whole head"
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -301,6 +316,7 @@ FAMILIES: dict[str, AttentionKind] = {
     "llama4_text": VLLM_ONLY,
     "kimi_k2": MLA,
     "gemma4_text": GEMMA4,
+    "ernie4_5_moe": ERNIE4_5_MOE,
 }
 
 #: ``config.model_type`` -> the family whose transformers classes build it, for

@@ -212,6 +212,8 @@ CASES = [
     ("0.13.0", "linears", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
     ("0.23.0.post1", "C8", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
     ("main", "C8", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
+    ("0.18.0", "linears", "Ernie4_5_MoeForCausalLM", "quant.ernie-no-mapping"),
+    ("main", "C8", "Ernie4_5_MoeForCausalLM", "quant.ernie-no-mapping"),
 ]
 
 

@@ -2,7 +2,8 @@
 year's GQA families that no Ascend consumer quantizes: gpt-oss (attention sinks,
 sliding / full layers, MoE), Llama 4 text (chunked / full layers, NoPE layers,
 MoE) and Gemma 4 text (sliding / full layers of their own head_dim and KV heads,
-a k_eq_v full layer with no ``v_proj``) (slow suite).
+a k_eq_v full layer with no ``v_proj``) and ERNIE-4.5-MoE (interleaved RoPE, routed
+and shared experts) (slow suite).
 
 One driver process (``tests/vllm_cpu_driver.py``), one engine start per family,
 each on its FP8 KV cache: every attention layer's loaded ``_k_scale`` /
@@ -61,6 +62,14 @@ FAMILIES = {
         attention_k_eq_v=True,
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=260,
+    ),  # fmt: skip
+    # a dense first layer, then routed + shared experts
+    "ernie4_5_moe": dict(
+        num_experts=4,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
     ),  # fmt: skip
 }
 

@@ -86,7 +86,6 @@ from ascend_fa.families import is_mla, reads_fa
 
 from .mindie_models import MINDIE_MOE_NO_FA3, MINDIE_NO_MODEL
 from .release_dsa import DSA_RULES
-from .release_gemma4 import GEMMA4_RULES
 from .release_loader import LOADER_RULES, config_refusal
 from .release_types import MAIN as _MAIN
 from .release_types import MINDIE, VLLM, VLLM_ASCEND, Citation, Release, Rule
@@ -96,6 +95,7 @@ from .release_types import V013 as _V013
 from .release_types import V018 as _V018
 from .release_types import V023 as _V023
 from .release_types import V0251 as _V0251
+from .release_unmapped import UNMAPPED_RULES
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ _ARCHITECTURES = {
     "llama4_text": "Llama4ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "gemma4_text": "Gemma4ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -210,7 +211,7 @@ RULES: tuple[Rule, ...] = (
         ),
         verb="cannot quantize",
     ),
-    *GEMMA4_RULES,
+    *UNMAPPED_RULES,
     *DSA_RULES,
     *LOADER_RULES,
     Rule(

@@ -46,6 +46,11 @@ model_type     kind    notes
 ``kimi_k2``    mla     deepseek_v3 under its own model_type (Kimi-K2's
                        config.json); built through transformers'
                        DeepSeek-V3 classes (:data:`BUILT_AS`)
+``gemma4_text`` gqa    sliding / full layers with their own head_dim and
+                       KV heads; k_eq_v full layers (no ``v_proj``);
+                       unit softmax scale; vLLM target only
+``ernie4_5_moe`` gqa   interleaved RoPE; MoE (routed + shared experts,
+                       ``moe_statics``); vLLM target only
 =============  ======  ===============================================
 
 A multimodal wrapper (:class:`Wrapper`, :data:`WRAPPERS`) is calibrated through
@@ -85,6 +90,8 @@ __all__ = [
     "moe_layout",
     "QWEN3_5",
     "VLLM_ONLY",
+    "GEMMA4",
+    "ERNIE4_5_MOE",
     "WRAPPERS",
     "Wrapper",
     "wrapper",
@@ -255,6 +262,35 @@ VLLM_ONLY = replace(
     fa_targets=(),
 )
 
+#: Gemma 4 (text): sliding and full layers, each with its own ``head_dim`` /
+#: KV heads (``per_layer_config``); on ``attention_k_eq_v`` full layers there is
+#: no ``v_proj`` and V is K's projection before ``k_norm`` / RoPE, normed by a
+#: scale-free ``v_norm``; softmax scale 1 (q_norm / k_norm instead); KV-shared
+#: layers reuse an earlier layer's K / V (transformers
+#: ``models/gemma4/modeling_gemma4.py`` ``Gemma4TextAttention``, v5.25.0). The
+#: GQA adapter observes Q / K / V where the attention interface receives them,
+#: so every layer's scales are per its own heads. Written for vLLM only (FP8
+#: KV-cache scales): vllm-ascend 0.13.0 / 0.18.0 / 0.23.0.post1 have no gemma4
+#: mapping and ascend-fa has no Gemma 4 linear / C8 plan for main's (rule
+#: ``quant.gemma4-no-plan``); MindIE 3.0.0 has no model. No paged emulation
+#: (per-layer head_dim), no residual rotation (sandwich norms, as Gemma 3).
+GEMMA4 = replace(
+    VLLM_ONLY,
+    rope="rotate-half, per layer type its own rope_parameters (sliding / full)",
+)
+
+#: ERNIE-4.5-MoE: GQA attention with interleaved RoPE over the whole head
+#: (transformers ``models/ernie4_5_moe/modeling_ernie4_5_moe.py``
+#: ``apply_rotary_pos_emb``, v5.25.0), routed experts (fused in memory) beside
+#: shared experts and a router with ``moe_statics``. Written for vLLM only (FP8
+#: KV-cache scales, loaded by vLLM 0.32's ``Ernie4_5_MoeForCausalLM``):
+#: vllm-ascend has no ernie mapping (rule ``quant.ernie-no-mapping``); MindIE's
+#: atb ``ernie_moe`` (a linears-only model reading ``attn_quantize``) needs the
+#: quantized linears ascend-fa does not yet write in its layout (refused).
+ERNIE4_5_MOE = replace(
+    VLLM_ONLY, rope="interleaved pairs (2i, 2i + 1) over the whole head"
+)
+
 #: ``config.model_type`` -> its attention kind, in the order they are listed.
 FAMILIES: dict[str, AttentionKind] = {
     "llama": GQA,
@@ -279,6 +315,8 @@ FAMILIES: dict[str, AttentionKind] = {
     "gpt_oss": VLLM_ONLY,
     "llama4_text": VLLM_ONLY,
     "kimi_k2": MLA,
+    "gemma4_text": GEMMA4,
+    "ernie4_5_moe": ERNIE4_5_MOE,
 }
 
 #: ``config.model_type`` -> the family whose transformers classes build it, for

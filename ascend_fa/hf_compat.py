@@ -263,9 +263,18 @@ def rotary_dim(config: Any) -> int | None:
     Qwen3-Next), read at the top level (transformers 4) or in
     ``rope_parameters`` (transformers 5), as transformers' RoPE init computes it."""
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
-    head_dim = getattr(config, "head_dim", None) or (
-        int(config.hidden_size) // heads if heads else None
-    )
+    try:
+        head_dim = getattr(config, "head_dim", None) or (
+            int(config.hidden_size) // heads if heads else None
+        )
+    except RuntimeError:
+        # a heterogeneous config (Gemma 4: each layer type its own head_dim and
+        # rope_parameters) refuses a global head_dim; its "proportional" RoPE
+        # gives every rotate-half pair of the head a frequency (zero past
+        # partial_rotary_factor), so the pairs span the whole head
+        # (transformers ``modeling_rope_utils.py``
+        # ``_compute_proportional_rope_parameters``, v5.25.0)
+        return None
     explicit = getattr(config, "rotary_dim", None)
     if isinstance(explicit, int) and head_dim and 0 < explicit < int(head_dim):
         return explicit

@@ -279,6 +279,8 @@ _FAMILY_ROWS = (
     ("qwen3_5", "qwen3_5_moe"),
     ("gpt_oss",),
     ("llama4_text",),
+    ("gemma4_text",),
+    ("ernie4_5_moe",),
     ("deepseek_v3",),
     ("kimi_k2",),
     ("deepseek_v32", "glm_moe_dsa"),
@@ -300,6 +302,10 @@ def _mindie_cell(model_type: str) -> str:
     return "linears only (W8A8_DYNAMIC)" if m.uniform else "linears only"
 
 
+#: release rules that say vllm-ascend quantizes nothing of the family
+_NO_QUANT_RULES = ("quant.no-mapping", "quant.gemma4-no-plan", "quant.ernie-no-mapping")
+
+
 def _vllm_ascend_cell(model_type: str, release: Any) -> str:
     from ascend_fa import families
     from ascend_fa.artifact import releases
@@ -313,7 +319,7 @@ def _vllm_ascend_cell(model_type: str, release: Any) -> str:
     rule = releases.rule_for(release, scheme, arch)
     if rule is not None and rule.scheme == "*" and not rule.loads:
         # a rule about the model itself, whatever the artifact quantizes
-        if rule.id == "quant.no-mapping":
+        if rule.id in _NO_QUANT_RULES:
             return "no quantization"
         return "silently wrong" if rule.silent else "load error"
     if scheme == "linears":

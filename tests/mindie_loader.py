@@ -40,6 +40,9 @@ ROUTES = {
     "qwen3_moe": "qwen2_moe",
     "glm4_moe": "glm4_moe",
     "mixtral": "mixtral",
+    # base/router.py L138-139 and models/__init__.py L148: ernie4_5_moe ->
+    # ernie_moe
+    "ernie4_5_moe": "ernie_moe",
 }
 #: MindIE: the routers that override the base ``config`` property and never read
 #: quant_model_description.json (qwen2_moe/router_qwen2_moe.py L22-29,
@@ -73,9 +76,10 @@ GRAPH_MODEL_LEVEL_EXPERTS = ("mixtral",)
 #: of qwen2_moe, modeling_qwen2_moe.py L52): the attention loads under
 #: config.json's ``attn_quantize`` when present, else under ``w8a8`` when a "moe"
 #: model's quantize is ``w8a8_dynamic``; glm4_moe/modeling_glm4_moe.py L243-246 reads
-#: ``attn_quantize`` only.
-OWN_ATTN_QUANTIZE = {"qwen2_moe": "w8a8"}
-ATTN_QUANTIZE_READERS = ("qwen2_moe", "glm4_moe")
+#: ``attn_quantize`` only; ernie_moe/flash_causal_ernie_moe.py L84-89 and
+#: modeling_ernie_moe.py L41-55 as qwen2_moe.
+OWN_ATTN_QUANTIZE = {"qwen2_moe": "w8a8", "ernie_moe": "w8a8"}
+ATTN_QUANTIZE_READERS = ("qwen2_moe", "glm4_moe", "ernie_moe")
 #: MindIE: glm4_moe/modeling_glm4_moe.py L254-261: q/k/v loaded with ``bias=True``
 #: whatever ``attention_bias`` says; the others follow ``attention_bias``
 #: (qwen2/modeling_qwen2.py L172-177 ``bias=config.attention_bias``).

@@ -208,6 +208,12 @@ CASES = [
     # no quantization mapping at any release
     ("0.23.0.post1", "linears", "GptOssForCausalLM", "quant.no-mapping"),
     ("main", "C8", "Llama4ForCausalLM", "quant.no-mapping"),
+    # Gemma 4: no mapping up to 0.23; no plan of ours for main's
+    ("0.13.0", "linears", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
+    ("0.23.0.post1", "C8", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
+    ("main", "C8", "Gemma4ForCausalLM", "quant.gemma4-no-plan"),
+    ("0.18.0", "linears", "Ernie4_5_MoeForCausalLM", "quant.ernie-no-mapping"),
+    ("main", "C8", "Ernie4_5_MoeForCausalLM", "quant.ernie-no-mapping"),
 ]
 
 

@@ -37,6 +37,7 @@ NO_MODEL += (
     "qwen3_5_moe_text",
     "gpt_oss",
     "llama4_text",
+    "gemma4_text",
 )
 
 

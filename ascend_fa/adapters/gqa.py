@@ -80,6 +80,8 @@ class GQAAdapter(InjectingAdapter):
     def head_counts(self, module: nn.Module) -> dict[str, tuple[int, int]]:
         cfg = module.config
         heads = int(cfg.num_attention_heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        # the module's own grouping, not the config's num_key_value_heads: Gemma
+        # 4's full layers have their own KV-head count (per_layer_config)
+        kv_heads = heads // int(module.num_key_value_groups)
         dim = int(module.head_dim)
         return {"fa_q": (heads, dim), "fa_k": (kv_heads, dim), "fa_v": (kv_heads, dim)}

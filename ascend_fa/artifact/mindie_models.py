@@ -55,7 +55,10 @@ deepseek_v32   runtime      -      desc.      per name  per n.  torch runtime
 minimax_m2,    none
 qwen3_next,
 gemma3_text,
-glm_moe_dsa
+glm_moe_dsa,
+gemma4_text
+ernie4_5_moe   ernie_moe    -      desc.      -         -       refused (no
+                                                                linear plan)
 =============  ===========  =====  =========  ========  ======  ==========
 """
 
@@ -82,6 +85,8 @@ MINDIE_NO_MODEL = frozenset(
         "GptOssForCausalLM",
         "Llama4ForCausalLM",
         "Llama4ForConditionalGeneration",
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
     }
 )
 #: MindIE 3.0.0 MoE architectures whose model builds no FA3 (``mindie.fa3.moe``)
@@ -430,6 +435,34 @@ MINDIE_MODELS: dict[str, MindieModel] = {
                 "gpt_oss",
                 "llama4_text",
             )
+        ),
+        # nor a gemma4 model (atb_llm/models and mindie_llm/runtime/models at
+        # 8b4871ad)
+        MindieModel("gemma4_text", **_NONE, citations=(_ROUTE, _NO_RUNTIME)),
+        MindieModel(
+            "ernie4_5_moe",
+            backend="atb",
+            model="ernie_moe",
+            fa3=None,
+            attn="w8a8",
+            refusal=(
+                "its atb ernie_moe builds no FA3 (attention under config.json's "
+                "attn_quantize, else static w8a8 for w8a8_dynamic) and serves only "
+                "quantized linears, which ascend-fa does not write for ernie4_5_moe "
+                "(no linear plan: routed experts, shared experts and moe_statics "
+                "not yet judged by MindIE's own model construction); use --target "
+                "vllm"
+            ),
+            citations=(
+                _c(
+                    "models/ernie_moe/flash_causal_ernie_moe.py",
+                    "L84-89 attn_quantize, else w8a8 for w8a8_dynamic",
+                ),
+                _c(
+                    "models/ernie_moe/modeling_ernie_moe.py",
+                    "L41-55 the attention built under attn_quantize",
+                ),
+            ),
         ),
     )
 }

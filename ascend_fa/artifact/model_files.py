@@ -149,8 +149,13 @@ def _per_type_rope(cfg: dict[str, Any], rope: Mapping[str, Any]) -> dict[str, An
     and ``rope_local_base_freq`` (always an unscaled RoPE) for the sliding ones;
     transformers 5 moves them into ``rope_parameters[layer type]``
     (``models/gemma3/configuration_gemma3.py`` ``convert_rope_params_to_dict``,
-    v5.25.0). Other per-type layouts have no transformers-4 spelling: unchanged."""
+    v5.25.0). Other per-type layouts have no transformers-4 spelling: unchanged
+    (Gemma 4's, the same layer types, has no transformers-4 model, and its
+    ``proportional`` full-layer RoPE would lose its theta and
+    ``partial_rotary_factor`` to a flat ``rope_scaling``)."""
     full, sliding = rope.get("full_attention"), rope.get("sliding_attention")
+    if cfg.get("model_type") == "gemma4_text":
+        return cfg
     if set(rope) != {"full_attention", "sliding_attention"} or not all(
         isinstance(r, Mapping) for r in (full, sliding)
     ):

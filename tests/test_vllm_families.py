@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_vllm_cpu import TEXTS, vllm_python  # noqa: F401 (a fixture)
+from test_vllm_cpu import TEXTS
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def artifacts(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_python, artifacts, tmp_path_factory) -> dict:  # noqa: F811
+def engine(vllm_python, artifacts, tmp_path_factory) -> dict:
     runs = [{"model": str(artifacts[f]), "kv_cache_dtype": "fp8"} for f in FAMILIES]
     req = {"runs": runs, "prompts": [[1, 2, 3, 4, 5]], "max_tokens": 2,
            "logprobs": 1, "dtype": "bfloat16", "max_model_len": 128}  # fmt: skip

@@ -24,6 +24,16 @@ from .release_types import VLLM_ASCEND, Citation, Rule
 __all__ = ["UNMAPPED_RULES"]
 
 _ALL = ("0.13.0", "0.18.0", "0.23.0.post1", "0.25.1rc1", "main")
+#: Where each release's packed-module mapping is (what both rules cite).
+_MAPPING = tuple(
+    Citation(
+        VLLM_ASCEND,
+        "vllm_ascend/quantization/modelslim_config.py",
+        ref,
+        "packed_modules_model_mapping",
+    )
+    for ref in (_V023, _MAIN)
+)
 
 UNMAPPED_RULES: tuple[Rule, ...] = (
     Rule(
@@ -39,20 +49,7 @@ UNMAPPED_RULES: tuple[Rule, ...] = (
         "(qkv_proj with K loaded into both K and V on k_eq_v layers, per-layer "
         "head_dim) has no ascend-fa linear / C8 plan judged by its loader; use "
         "--target vllm (FP8 KV-cache scales)",
-        (
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                _V023,
-                "packed_modules_model_mapping",
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                _MAIN,
-                "packed_modules_model_mapping",
-            ),
-        ),
+        _MAPPING,
         verb="cannot quantize",
     ),
     Rule(
@@ -66,20 +63,7 @@ UNMAPPED_RULES: tuple[Rule, ...] = (
         "packed_modules_model_mapping entry: vLLM's fused qkv_proj, gate_up_proj "
         "and experts find no checkpoint names in quant_model_description.json); "
         "use --target vllm (FP8 KV-cache scales)",
-        (
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                _V023,
-                "packed_modules_model_mapping",
-            ),
-            Citation(
-                VLLM_ASCEND,
-                "vllm_ascend/quantization/modelslim_config.py",
-                _MAIN,
-                "packed_modules_model_mapping",
-            ),
-        ),
+        _MAPPING,
         verb="cannot quantize",
     ),
 )
